@@ -1,0 +1,337 @@
+"""Generate text from a converted checkpoint: prefill, a torch.compile'd decode step, sampling, metrics.
+
+    python generate.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --prompt "def fib(n):" --compile
+"""
+import argparse
+import json
+import mmap
+import struct
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from model import InputError, ModelArgs, Transformer
+from tokenizer import Tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+CACHE_ROUNDING = 256  # cache lengths are rounded up so that nearby requests reuse one cache (and one graph)
+
+
+# ---------------------------------------------------------------- loading
+
+def resolve_checkpoint(path) -> tuple[Path, Path]:
+    """A checkpoint directory or a .safetensors file inside one -> (directory, weights file)."""
+    path = Path(path)
+    if path.is_dir():
+        weights = path / "model.safetensors"
+    else:
+        weights, path = path, path.parent
+    if not weights.is_file():
+        raise InputError(f"{weights}: not found; convert a model first with scripts/convert_checkpoint.py")
+    return path, weights
+
+
+def map_safetensors(path: Path) -> tuple[dict, dict]:
+    """Map a safetensors file read-only: tensors are views of the page cache, never a second copy."""
+    try:
+        with open(path, "rb") as f:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (header_len,) = struct.unpack("<Q", buffer[:8])
+        if header_len > len(buffer) - 8:
+            raise ValueError("header length exceeds the file size")
+        header = json.loads(buffer[8:8 + header_len])
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: corrupt or truncated safetensors file ({e}); re-create it") from None
+    metadata = header.pop("__metadata__", None) or {}
+    tensors, base = {}, 8 + header_len
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise InputError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
+        count = end - start
+        if base + end > len(buffer) or count != torch.Size(info["shape"]).numel() * dtype.itemsize:
+            raise InputError(f"{path}: tensor '{name}' lies outside the file or has the wrong size; the file "
+                             "is truncated or corrupt, re-create it")
+        with warnings.catch_warnings():  # the map is read-only; weights are never written in place
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=base + start) if count else \
+                torch.empty(0, dtype=torch.uint8)
+        tensors[name] = flat.view(dtype).view(info["shape"])
+    return tensors, metadata
+
+
+def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transformer:
+    """Build on the meta device, then assign the mapped tensors: the weights are never held twice."""
+    ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
+    args = ModelArgs.from_config(ckpt_dir / "config.json")
+    with torch.device("meta"):
+        model = Transformer(args)
+    tensors, _ = map_safetensors(weights_path)
+    expected = model.state_dict()
+    if args.tie_embeddings:
+        expected.pop("output.weight")
+    for name, param in expected.items():
+        if name not in tensors:
+            raise InputError(f"{weights_path}: missing tensor '{name}' (does config.json match the weights?)")
+        if tensors[name].shape != param.shape:
+            raise InputError(f"{weights_path}: tensor '{name}' has shape {list(tensors[name].shape)}, config.json "
+                             f"implies {list(param.shape)}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise InputError(f"{weights_path}: unexpected tensor '{unexpected[0]}' (does config.json match?)")
+    state = {name: tensors[name].to(device=device, dtype=dtype) for name in expected}
+    model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+def model_bytes_per_step(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an untied embedding table (one row)."""
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    if not model.args.tie_embeddings:
+        total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    return total
+
+
+# ---------------------------------------------------------------- sampling
+
+def logits_to_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """The distribution tokens are sampled from: temperature, then top-k, then top-p (nucleus)."""
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits, temperature: float = 0.0, top_k=None, top_p=None):
+    """[..., V] logits -> [...] token ids. Greedy at temperature 0; no host synchronization either way."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race); needs no host sync.
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+# ---------------------------------------------------------------- the steps
+
+def prefill(model, tokens, input_pos, logits_idx, temperature, top_k, top_p):
+    logits = model(tokens, input_pos, logits_idx)  # [B, 1, V]
+    return sample(logits[:, -1], temperature, top_k, top_p)
+
+
+def decode_one_token(model, token, input_pos, temperature, top_k, top_p):
+    logits = model(token[:, None], input_pos[:, None])
+    return sample(logits[:, -1], temperature, top_k, top_p)
+
+
+class Steps:
+    """The prefill and decode functions, compiled or not. Compiled once per process and reused."""
+
+    def __init__(self, compile=False, compile_prefill=False, device="cpu"):
+        self.prefill, self.decode = prefill, decode_one_token
+        if compile:
+            # CUDA graphs remove the launch overhead of a decode step on GPU; on CPU there is none to remove.
+            mode = "reduce-overhead" if str(device).startswith("cuda") else None
+            self.decode = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+        if compile_prefill:
+            self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+
+
+def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extra: int = 0) -> int:
+    needed = longest_prompt + max_new_tokens + extra
+    if needed > args.max_seq_len:
+        raise InputError(f"prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
+                         f"the model's context of {args.max_seq_len} (config.json max_seq_len); shorten the prompt "
+                         "or lower --max_new_tokens")
+    return min(-(-needed // CACHE_ROUNDING) * CACHE_ROUNDING, args.max_seq_len)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
+             top_p=None, eos_ids=(), on_token=None):
+    """Generate for a batch of prompts (ragged lengths allowed). Returns (new tokens per row, timings).
+
+    Rows are right-padded; each row runs at its own positions, so padding is never attended and is
+    overwritten as the row decodes. A row stops at its first EOS (kept in its output); the batch stops when
+    every row has stopped. `on_token(step, tokens [B])` is called after each step with host token ids.
+    """
+    device = model.output.weight.device
+    B = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    if min(len(p) for p in prompts) == 0:
+        raise InputError("empty prompt: give at least one token")
+    T = int(lengths.max())
+    model.setup_caches(B, max(model.max_seq_len, cache_length(T, max_new_tokens, model.args)))
+    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p)
+    # Padding sits at the positions the row will decode into next, so it is overwritten before it is seen.
+    input_pos = torch.arange(T, device=device).expand(B, T).contiguous()
+    t0 = time.perf_counter()
+    token = steps.prefill(model, tokens, input_pos, (lengths - 1)[:, None], temperature, top_k, top_p)
+    generated = [token.tolist()]
+    t_prefill = time.perf_counter() - t0
+    eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
+    done = torch.isin(token, eos)
+    if on_token:
+        on_token(0, generated[0])
+    pos = lengths.clone()
+    for step in range(1, max_new_tokens):
+        if bool(done.all()):
+            break
+        token = steps.decode(model, token.clone(), pos, temperature, top_k, top_p)
+        pos += 1
+        generated.append(token.tolist())
+        done |= torch.isin(token, eos)
+        if on_token:
+            on_token(step, generated[-1])
+    t_total = time.perf_counter() - t0
+    rows = []
+    for b in range(B):
+        row = []
+        for step_tokens in generated:
+            row.append(step_tokens[b])
+            if step_tokens[b] in eos_ids:
+                break
+        rows.append(row)
+    return rows, {"prefill_s": t_prefill, "total_s": t_total, "decode_steps": len(generated) - 1}
+
+
+# ---------------------------------------------------------------- CLI
+
+def parse_prompt(prompt: str, tokenizer: Tokenizer, seed: int) -> list[int]:
+    if prompt.strip().isdigit():  # a synthetic prompt of that many tokens
+        n = int(prompt)
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, tokenizer.vocab_size, (n,), generator=g).tolist()
+    return tokenizer.encode(prompt)
+
+
+class TextStream:
+    """Prints a row's text as it grows, holding back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, step, tokens):
+        if tokens[0] in self.tokenizer.eos_ids:
+            return
+        self.ids.append(tokens[0])
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[self.printed:], end="", flush=True)
+            self.printed = len(text)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Generate text from a converted checkpoint.")
+    p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
+    p.add_argument("--prompt", default="Hello, my name is", help="text, or an integer for a synthetic prompt")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=1, help="the prompt is repeated in each batch row")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
+    p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming")
+    return p
+
+
+def check_options(opts):
+    if opts.dtype not in DTYPES:
+        raise InputError(f"--dtype {opts.dtype}: unknown; use bf16, fp32 or fp16")
+    for name in ("max_new_tokens", "num_samples", "batch_size"):
+        if getattr(opts, name) < 1:
+            raise InputError(f"--{name} must be at least 1")
+    if opts.temperature < 0:
+        raise InputError("--temperature must be >= 0 (0 = greedy)")
+    if opts.top_k is not None and opts.top_k < 1:
+        raise InputError("--top_k must be at least 1")
+    if opts.top_p is not None and not 0 < opts.top_p <= 1:
+        raise InputError("--top_p must be in (0, 1]")
+    try:
+        torch.empty(0, device=opts.device)
+    except (RuntimeError, AssertionError) as e:
+        raise InputError(f"--device {opts.device}: not available ({str(e).splitlines()[0]})") from None
+
+
+def run(opts):
+    check_options(opts)
+    torch.manual_seed(opts.seed)
+    ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
+    tokenizer = Tokenizer(ckpt_dir)
+    t = time.perf_counter()
+    model = load_model(opts.checkpoint_path, opts.device, DTYPES[opts.dtype])
+    load_s = time.perf_counter() - t
+    prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
+    prompts = [prompt] * opts.batch_size
+    cache_length(len(prompt), opts.max_new_tokens, model.args)  # fail before compiling
+    steps = Steps(opts.compile, opts.compile_prefill, opts.device)
+    sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
+    compile_s = 0.0
+    if opts.compile or opts.compile_prefill:  # compile on a short warm-up so the timed runs are steady
+        t = time.perf_counter()
+        generate(model, prompts, 3, steps, **sampling)
+        compile_s = time.perf_counter() - t
+    if not opts.json:
+        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", compiled in {compile_s:.1f} s" if compile_s else ""),
+              file=sys.stderr)
+    step_bytes = model_bytes_per_step(model)
+    for sample_idx in range(opts.num_samples):
+        stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json else None
+        if stream:
+            print(tokenizer.decode(prompt), end="", flush=True)
+        rows, timing = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
+                                on_token=stream, **sampling)
+        steps_run = timing["decode_steps"] + 1
+        tokens_per_s = steps_run / timing["total_s"]
+        decode_s = timing["total_s"] - timing["prefill_s"]
+        decode_tokens_per_s = timing["decode_steps"] / decode_s if timing["decode_steps"] else 0.0
+        bandwidth = step_bytes * decode_tokens_per_s / 1e9
+        for b, row in enumerate(rows):
+            record = dict(sample=sample_idx, row=b, prompt_tokens=len(prompt), tokens=row,
+                          text=tokenizer.decode([t for t in row if t not in tokenizer.eos_ids]),
+                          tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
+                          prefill_s=round(timing["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
+                          compile_s=round(compile_s, 2), batch_size=opts.batch_size)
+            if opts.json:
+                print(json.dumps(record), flush=True)
+            elif not stream:
+                print(f"--- sample {sample_idx} row {b}\n{tokenizer.decode(prompt)}{record['text']}")
+        if not opts.json:
+            print(f"\n[{steps_run} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
+                  f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {timing['prefill_s']:.3f} s]",
+                  file=sys.stderr)
+
+
+def main(argv=None):
+    opts = build_parser().parse_args(argv)
+    try:
+        run(opts)
+    except InputError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""Convert a Hugging Face model directory or a .gguf file into this project's checkpoint layout.
+
+    python scripts/convert_checkpoint.py --source SRC --output_dir OUT
+
+OUT receives config.json (ModelArgs fields plus tokenizer ids), model.safetensors and the tokenizer
+(tokenizer.json or tokenizer.model). Every file is written to a temporary name and renamed, the config last,
+so a directory with a config.json is always complete.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import InputError, ModelArgs  # noqa: E402
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+# Our name for each per-layer Hugging Face tensor of the Llama family.
+LLAMA_LAYER_NAMES = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+GGUF_LAYER_NAMES = {
+    "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
+    "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
+    "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
+}
+
+
+def require(config: dict, key: str, source):
+    if key not in config:
+        raise InputError(f"{source}: missing field '{key}'")
+    return config[key]
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+def hf_model_args(config: dict, source) -> dict:
+    kind = require(config, "model_type", source)
+    if kind in LLAMA_LIKE:
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type")) == "llama3" else None
+        n_heads = require(config, "num_attention_heads", source)
+        return dict(
+            family="llama", vocab_size=require(config, "vocab_size", source),
+            dim=require(config, "hidden_size", source), n_layers=require(config, "num_hidden_layers", source),
+            n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            intermediate_size=require(config, "intermediate_size", source),
+            norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+            qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_seq_len=config.get("max_position_embeddings", 2048))
+    if kind == "codegen":
+        dim = require(config, "n_embd", source)
+        n_heads = require(config, "n_head", source)
+        return dict(
+            family="codegen", vocab_size=require(config, "vocab_size", source), dim=dim,
+            n_layers=require(config, "n_layer", source), n_heads=n_heads, n_kv_heads=n_heads,
+            intermediate_size=config.get("n_inner") or 4 * dim, norm_eps=config.get("layer_norm_epsilon", 1e-5),
+            rope_theta=10000.0, rotary_dim=config.get("rotary_dim"), tie_embeddings=False,
+            max_seq_len=config.get("n_positions", 2048))
+    raise InputError(f"{source}: model_type '{kind}' is not supported; supported: {', '.join(LLAMA_LIKE)}, codegen")
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int, rotary_dim: int) -> torch.Tensor:
+    """Reorder each head's rotary rows from interleaved pairs (0,1),(2,3).. to halves (0,r/2),(1,r/2+1).."""
+    head_dim = w.shape[0] // n_heads
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_dim)])
+    return w.reshape(n_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int, rotary_dim: int) -> torch.Tensor:
+    head_dim = w.shape[0] // n_heads
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_dim)])
+    out = torch.empty_like(w.reshape(n_heads, head_dim, *w.shape[1:]))
+    out[:, order] = w.reshape(n_heads, head_dim, *w.shape[1:])
+    return out.reshape(w.shape)
+
+
+def codegen_split_qkv(qkv: torch.Tensor, args: dict):
+    """CodeGen fuses q, v, k (in that order) inside each of 4 model-parallel chunks of its qkv_proj."""
+    mp_num, dim = 4, args["dim"]
+    chunks = qkv.reshape(mp_num, 3, dim // mp_num, dim)
+    q, v, k = (chunks[:, i].reshape(dim, dim) for i in range(3))
+    rotary = args.get("rotary_dim") or dim // args["n_heads"]
+    return (interleaved_to_half(q, args["n_heads"], rotary), interleaved_to_half(k, args["n_heads"], rotary), v)
+
+
+def from_hf_state_dict(hf: dict, args: dict) -> dict:
+    out = {}
+    if args["family"] == "llama":
+        for name, t in hf.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "model.embed_tokens.weight":
+                out["tok_embeddings.weight"] = t
+            elif name == "model.norm.weight":
+                out["norm.weight"] = t
+            elif name == "lm_head.weight":
+                if not args["tie_embeddings"]:
+                    out["output.weight"] = t
+            elif name.startswith("model.layers."):
+                i, rest = name[len("model.layers."):].split(".", 1)
+                module, kind = rest.rsplit(".", 1)
+                if module not in LLAMA_LAYER_NAMES:
+                    raise InputError(f"unexpected tensor '{name}' in the source checkpoint")
+                out[f"layers.{i}.{LLAMA_LAYER_NAMES[module]}.{kind}"] = t
+            else:
+                raise InputError(f"unexpected tensor '{name}' in the source checkpoint")
+        return out
+    simple = {"attn.out_proj": "attention.wo", "mlp.fc_in": "feed_forward.w1", "mlp.fc_out": "feed_forward.w2",
+              "ln_1": "attention_norm"}
+    for name, t in hf.items():
+        if name.endswith(("attn.causal_mask", "attn.masked_bias", "attn.bias")):
+            continue
+        if name.startswith("transformer.wte."):
+            out["tok_embeddings.weight"] = t
+        elif name.startswith("transformer.ln_f."):
+            out["norm." + name.rsplit(".", 1)[1]] = t
+        elif name.startswith("lm_head."):
+            out["output." + name.rsplit(".", 1)[1]] = t
+        elif name.startswith("transformer.h."):
+            i, rest = name[len("transformer.h."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if module == "attn.qkv_proj":
+                q, k, v = codegen_split_qkv(t, args)
+                out[f"layers.{i}.attention.wq.weight"] = q
+                out[f"layers.{i}.attention.wk.weight"] = k
+                out[f"layers.{i}.attention.wv.weight"] = v
+            elif module in simple:
+                out[f"layers.{i}.{simple[module]}.{kind}"] = t
+            else:
+                raise InputError(f"unexpected tensor '{name}' in the source checkpoint")
+        else:
+            raise InputError(f"unexpected tensor '{name}' in the source checkpoint")
+    return out
+
+
+def to_hf_state_dict(ours: dict, args: ModelArgs) -> dict:
+    """The inverse of from_hf_state_dict: lets `transformers` run a converted checkpoint (bench, tests)."""
+    hf = {}
+    if args.family == "llama":
+        inverse = {v: k for k, v in LLAMA_LAYER_NAMES.items()}
+        for name, t in ours.items():
+            if name == "tok_embeddings.weight":
+                hf["model.embed_tokens.weight"] = t
+            elif name == "norm.weight":
+                hf["model.norm.weight"] = t
+            elif name == "output.weight":
+                hf["lm_head.weight"] = t
+            else:
+                _, i, rest = name.split(".", 2)
+                module, kind = rest.rsplit(".", 1)
+                hf[f"model.layers.{i}.{inverse[module]}.{kind}"] = t
+        if args.tie_embeddings:
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        return hf
+    simple = {"attention.wo": "attn.out_proj", "feed_forward.w1": "mlp.fc_in", "feed_forward.w2": "mlp.fc_out",
+              "attention_norm": "ln_1"}
+    for name, t in ours.items():
+        if name == "tok_embeddings.weight":
+            hf["transformer.wte.weight"] = t
+        elif name.startswith("norm."):
+            hf["transformer.ln_f." + name.split(".")[1]] = t
+        elif name.startswith("output."):
+            hf["lm_head." + name.split(".")[1]] = t
+        else:
+            _, i, rest = name.split(".", 2)
+            module, kind = rest.rsplit(".", 1)
+            if module in simple:
+                hf[f"transformer.h.{i}.{simple[module]}.{kind}"] = t
+    for i in range(args.n_layers):
+        q, k, v = (half_to_interleaved(ours[f"layers.{i}.attention.w{x}.weight"], args.n_heads, args.rotary_dim)
+                   if x != "v" else ours[f"layers.{i}.attention.wv.weight"] for x in "qkv")
+        mp_num = 4
+        parts = [t.reshape(mp_num, args.dim // mp_num, args.dim) for t in (q, v, k)]
+        hf[f"transformer.h.{i}.attn.qkv_proj.weight"] = torch.stack(parts, 1).reshape(3 * args.dim, args.dim)
+    return hf
+
+
+def read_hf_weights(source: Path) -> dict:
+    from safetensors import safe_open
+    files = sorted(source.glob("*.safetensors"))
+    if files:
+        weights = {}
+        for f in tqdm(files, desc="reading", unit="file", disable=len(files) < 2):
+            try:
+                with safe_open(f, framework="pt") as sf:
+                    for name in sf.keys():
+                        weights[name] = sf.get_tensor(name)
+            except Exception as e:
+                raise InputError(f"{f}: not a readable safetensors file ({e})") from None
+        return weights
+    files = sorted(source.glob("pytorch_model*.bin"))
+    if not files:
+        raise InputError(f"{source}: no *.safetensors or pytorch_model*.bin weights found")
+    weights = {}
+    for f in files:
+        try:  # a pickle, read once and only for tensors (weights_only); we never write pickles
+            weights.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        except Exception as e:
+            raise InputError(f"{f}: not a readable PyTorch weights file ({e})") from None
+    return weights
+
+
+def hf_special_tokens(source: Path, config: dict) -> dict:
+    eos = config.get("eos_token_id")
+    gen_path = source / "generation_config.json"
+    if gen_path.is_file():
+        gen = json.loads(gen_path.read_text())
+        eos = gen.get("eos_token_id", eos)
+    tok_cfg_path = source / "tokenizer_config.json"
+    add_bos = None
+    if tok_cfg_path.is_file():
+        add_bos = json.loads(tok_cfg_path.read_text()).get("add_bos_token")
+    return dict(bos_token_id=config.get("bos_token_id"), eos_token_id=eos, add_bos_token=add_bos)
+
+
+def convert_hf(source: Path):
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise InputError(f"{config_path}: not found; --source must be a Hugging Face model directory or a .gguf file")
+    config = json.loads(config_path.read_text())
+    args = hf_model_args(config, config_path)
+    weights = from_hf_state_dict(read_hf_weights(source), args)
+    tokenizer_files = [source / n for n in ("tokenizer.json", "tokenizer.model") if (source / n).is_file()]
+    return args, weights, hf_special_tokens(source, config), tokenizer_files
+
+
+# ---------------------------------------------------------------- GGUF
+
+def gguf_value(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_tokenizer(reader, path: Path):
+    """Rebuild the byte-level BPE tokenizer llama.cpp embeds in the file as a `tokenizers` Tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    kind = gguf_value(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise InputError(f"{path}: embedded tokenizer '{kind}' is not supported (only BPE 'gpt2'); convert "
+                         "the Hugging Face directory of this model instead")
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    types = gguf_value(reader, "tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if gguf_value(reader, "tokenizer.ggml.pre") == "smollm":  # llama.cpp's smollm pre-split: digits one by one
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    CONTROL, USER_DEFINED = 3, 4
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+    return tok
+
+
+def convert_gguf(source: Path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    try:
+        reader = GGUFReader(source)
+    except Exception as e:
+        raise InputError(f"{source}: not a readable GGUF file ({e})") from None
+    arch = gguf_value(reader, "general.architecture")
+    if arch != "llama":
+        raise InputError(f"{source}: architecture '{arch}' is not supported for GGUF (only 'llama')")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise InputError(f"{source}: rope frequency tensors (Llama-3.1 GGUF) are not supported; convert the "
+                         "Hugging Face directory instead")
+
+    def field(key, default=None):
+        value = gguf_value(reader, f"llama.{key}", default)
+        if value is None:
+            raise InputError(f"{source}: missing field 'llama.{key}'")
+        return value
+
+    n_heads = field("attention.head_count")
+    n_kv_heads = field("attention.head_count_kv", n_heads)
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens") or []
+    args = dict(family="llama", vocab_size=field("vocab_size", len(tokens) or None),
+                dim=field("embedding_length"), n_layers=field("block_count"), n_heads=n_heads,
+                n_kv_heads=n_kv_heads, intermediate_size=field("feed_forward_length"),
+                norm_eps=field("attention.layer_norm_rms_epsilon"), rope_theta=field("rope.freq_base", 10000.0),
+                tie_embeddings="output.weight" not in names, max_seq_len=field("context_length"))
+    head_dim = args["dim"] // n_heads
+    weights = {}
+    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor"):
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=False).copy())
+        if t.name.startswith("blk."):
+            _, i, module, kind = t.name.split(".")
+            if module not in GGUF_LAYER_NAMES:
+                raise InputError(f"{source}: unexpected tensor '{t.name}'")
+            if module in ("attn_q", "attn_k"):  # llama.cpp stores q/k rows interleaved for its rope
+                w = interleaved_to_half(w, n_heads if module == "attn_q" else n_kv_heads, head_dim)
+            weights[f"layers.{i}.{GGUF_LAYER_NAMES[module]}.{kind}"] = w
+        else:
+            ours = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+                    "output.weight": "output.weight"}.get(t.name)
+            if ours is None:
+                raise InputError(f"{source}: unexpected tensor '{t.name}'")
+            weights[ours] = w
+    add_bos = bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
+    special = dict(bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+                   eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"), add_bos_token=add_bos)
+    return args, weights, special, [gguf_tokenizer(reader, source)]
+
+
+# ---------------------------------------------------------------- writing
+
+def atomic_write(path: Path, write):
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # some writers create 0600 files
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, tokenizers, dtype=None):
+    from safetensors.torch import save_file
+    ModelArgs(**args)  # validate before writing anything
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_path = output_dir / "config.json"
+    config_path.unlink(missing_ok=True)  # a directory without config.json reads as incomplete until we finish
+    tensors = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+    atomic_write(output_dir / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    for tok in tokenizers:
+        if isinstance(tok, Path):
+            atomic_write(output_dir / tok.name, lambda p: shutil.copyfile(tok, p))
+        else:
+            atomic_write(output_dir / "tokenizer.json", lambda p: tok.save(str(p)))
+    config = dict(args, **{k: v for k, v in special.items() if v is not None})
+    atomic_write(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def convert(source, output_dir, dtype=None):
+    source, output_dir = Path(source), Path(output_dir)
+    if not source.exists():
+        raise InputError(f"{source}: not found")
+    if source.suffix == ".gguf":
+        args, weights, special, tokenizers = convert_gguf(source)
+    elif source.is_dir():
+        args, weights, special, tokenizers = convert_hf(source)
+    else:
+        raise InputError(f"{source}: expected a Hugging Face model directory or a .gguf file")
+    if not tokenizers:
+        raise InputError(f"{source}: no tokenizer.json or tokenizer.model found")
+    save_checkpoint(output_dir, args, weights, special, tokenizers, dtype)
+    return output_dir
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, help="Hugging Face model directory or .gguf file")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="storage dtype (auto: as the source; dequantized GGUF is float32)")
+    opts = parser.parse_args(argv)
+    dtype = None if opts.dtype == "auto" else getattr(torch, opts.dtype)
+    try:
+        out = convert(opts.source, opts.output_dir, dtype)
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

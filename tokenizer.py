@@ -1,0 +1,60 @@
+"""One small interface over SentencePiece (tokenizer.model) and Hugging Face tokenizers (tokenizer.json).
+
+Special-token ids come from the checkpoint's config.json (bos_token_id, eos_token_id, add_bos_token), which
+the converter fills from the source model.
+"""
+import json
+from pathlib import Path
+
+from model import InputError
+
+
+class Tokenizer:
+    def __init__(self, checkpoint_dir):
+        checkpoint_dir = Path(checkpoint_dir)
+        config_path = checkpoint_dir / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if (checkpoint_dir / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+            path = checkpoint_dir / "tokenizer.json"
+            try:
+                self._hf = HFTokenizer.from_file(str(path))
+            except Exception as e:
+                raise InputError(f"{path}: not a readable tokenizer.json ({e})") from None
+            self._sp = None
+            self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+        elif (checkpoint_dir / "tokenizer.model").is_file():
+            from sentencepiece import SentencePieceProcessor
+            path = checkpoint_dir / "tokenizer.model"
+            self._sp = SentencePieceProcessor()
+            try:
+                self._sp.Load(str(path))
+            except Exception as e:
+                raise InputError(f"{path}: not a readable SentencePiece model ({e})") from None
+            self._hf = None
+            self.vocab_size = self._sp.vocab_size()
+        else:
+            raise InputError(f"{checkpoint_dir}: no tokenizer.json or tokenizer.model; re-run "
+                             "scripts/convert_checkpoint.py")
+        self.path = path
+        sp_default = lambda get: get() if self._sp is not None and get() >= 0 else None  # noqa: E731
+        self.bos_id = config.get("bos_token_id", sp_default(lambda: self._sp.bos_id()))
+        eos = config.get("eos_token_id", sp_default(lambda: self._sp.eos_id()))
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # tokenizer.json files carry their own BOS rule in the post-processor; SentencePiece models (Llama 2)
+        # expect BOS unless the config says otherwise.
+        self.add_bos = config.get("add_bos_token", self._sp is not None) and self.bos_id is not None
+
+    def encode(self, text: str) -> list[int]:
+        if self._sp is not None:
+            ids = self._sp.EncodeAsIds(text)
+        else:
+            ids = self._hf.encode(text, add_special_tokens=True).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self._sp is not None:
+            return self._sp.DecodeIds(list(ids))
+        return self._hf.decode(list(ids), skip_special_tokens=False)

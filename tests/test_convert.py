@@ -1,0 +1,78 @@
+"""scripts/convert_checkpoint.py: every Hugging Face weight layout gives the same checkpoint; clear errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_hf_model, write_byte_tokenizer
+from convert_checkpoint import convert, main as convert_main
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "codegen_partial_rotary"])
+def test_single_sharded_and_bin_layouts_convert_identically(tmp_path, name):
+    hf = tiny_hf_model(name)
+    converted = {}
+    for layout in ("single", "sharded", "bin"):
+        src = tmp_path / f"src_{layout}"
+        if layout == "bin":  # older checkpoints; transformers 5 no longer writes them
+            src.mkdir()
+            hf.config.save_pretrained(src)
+            torch.save(hf.state_dict(), src / "pytorch_model.bin")
+        else:
+            hf.save_pretrained(src, **(dict(max_shard_size="50KB") if layout == "sharded" else {}))
+        write_byte_tokenizer(src)
+        if layout == "sharded":
+            assert len(list(src.glob("*.safetensors"))) > 1
+        if layout == "bin":
+            assert list(src.glob("*.bin")) and not list(src.glob("*.safetensors"))
+        out = convert(src, tmp_path / f"out_{layout}")
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+        converted[layout] = (load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text()))
+    ref_tensors, ref_config = converted["single"]
+    for layout, (tensors, config) in converted.items():
+        assert config == ref_config, layout
+        assert tensors.keys() == ref_tensors.keys(), layout
+        for k in tensors:
+            assert torch.equal(tensors[k], ref_tensors[k]), (layout, k)
+
+
+def run_convert(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        convert_main(list(argv))
+    return str(e.value.code)
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    msg = run_convert(capsys, "--source", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "o"))
+    assert msg.startswith("error:") and "not found" in msg and "\n" not in msg
+
+    src = tmp_path / "src"
+    tiny_hf_model("llama_gqa_tied").save_pretrained(src)
+    write_byte_tokenizer(src)
+    config = json.loads((src / "config.json").read_text())
+    del config["hidden_size"]
+    (src / "config.json").write_text(json.dumps(config))
+    msg = run_convert(capsys, "--source", str(src), "--output_dir", str(tmp_path / "o"))
+    assert "missing field 'hidden_size'" in msg and "\n" not in msg
+
+    config.update(hidden_size=64, model_type="gpt_neox")
+    (src / "config.json").write_text(json.dumps(config))
+    msg = run_convert(capsys, "--source", str(src), "--output_dir", str(tmp_path / "o"))
+    assert "model_type 'gpt_neox' is not supported" in msg
+    assert not (tmp_path / "o" / "config.json").exists()  # nothing half-written
+
+    config["model_type"] = "llama"
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    msg = run_convert(capsys, "--source", str(src), "--output_dir", str(tmp_path / "o"))
+    assert "not a readable safetensors file" in msg and "\n" not in msg
+
+
+def test_gguf_conversion_of_real_smollm2(smollm2):
+    """The real GGUF (Q4_1 + Q8_0 + F32 tensors) converts with its tokenizer and special ids."""
+    ckpt, _ = smollm2
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["n_layers"] == 30 and config["n_heads"] == 9 and config["n_kv_heads"] == 3
+    assert config["tie_embeddings"] and config["eos_token_id"] == 2
+    assert not list(ckpt.glob("*.tmp"))

@@ -144,11 +144,13 @@ class Steps:
     """The prefill and decode functions, compiled or not. Compiled once per process and reused."""
 
     def __init__(self, compile=False, compile_prefill=False, device="cpu"):
-        self.prefill, self.decode = prefill, decode_one_token
+        from speculative import verify
+        self.prefill, self.decode, self.verify = prefill, decode_one_token, verify
         if compile:
             # CUDA graphs remove the launch overhead of a decode step on GPU; on CPU there is none to remove.
             mode = "reduce-overhead" if str(device).startswith("cuda") else None
             self.decode = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+            self.verify = torch.compile(verify, mode=mode, fullgraph=True)  # one graph per speculate_k
         if compile_prefill:
             self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 
@@ -164,20 +166,23 @@ def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extr
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
-             top_p=None, eos_ids=(), on_token=None):
-    """Generate for a batch of prompts (ragged lengths allowed). Returns (new tokens per row, timings).
+             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5):
+    """Generate for a batch of prompts (ragged lengths allowed). Returns (new tokens per row, stats).
 
     Rows are right-padded; each row runs at its own positions, so padding is never attended and is
-    overwritten as the row decodes. A row stops at its first EOS (kept in its output); the batch stops when
-    every row has stopped. `on_token(step, tokens [B])` is called after each step with host token ids.
+    overwritten as the row decodes. A row stops at its first EOS (kept in its output) or at max_new_tokens; the
+    batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
+    With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts.
     """
     device = model.output.weight.device
     B = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
     if min(len(p) for p in prompts) == 0:
         raise InputError("empty prompt: give at least one token")
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lengths.max())
-    model.setup_caches(B, max(model.max_seq_len, cache_length(T, max_new_tokens, model.args)))
+    spare = 2 * (speculate_k + 1) if drafter else 0  # verify writes up to K+1 slots past a row's end
+    cache_len = max(model.max_seq_len, cache_length(T, max_new_tokens, model.args, spare))
+    model.setup_caches(B, cache_len)
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = torch.tensor(p)
@@ -185,32 +190,55 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     input_pos = torch.arange(T, device=device).expand(B, T).contiguous()
     t0 = time.perf_counter()
     token = steps.prefill(model, tokens, input_pos, (lengths - 1)[:, None], temperature, top_k, top_p)
-    generated = [token.tolist()]
-    t_prefill = time.perf_counter() - t0
-    eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
-    done = torch.isin(token, eos)
+    if drafter:
+        drafter.prefill(tokens, input_pos, cache_len)
+    outputs = [[t] for t in token.tolist()]
+    stats = {"prefill_s": time.perf_counter() - t0}
+    done = [t in eos_ids or max_new_tokens == 1 for t in token.tolist()]
     if on_token:
-        on_token(0, generated[0])
-    pos = lengths.clone()
-    for step in range(1, max_new_tokens):
-        if bool(done.all()):
-            break
-        token = steps.decode(model, token.clone(), pos, temperature, top_k, top_p)
-        pos += 1
-        generated.append(token.tolist())
-        done |= torch.isin(token, eos)
-        if on_token:
-            on_token(step, generated[-1])
-    t_total = time.perf_counter() - t0
-    rows = []
-    for b in range(B):
-        row = []
-        for step_tokens in generated:
-            row.append(step_tokens[b])
-            if step_tokens[b] in eos_ids:
-                break
-        rows.append(row)
-    return rows, {"prefill_s": t_prefill, "total_s": t_total, "decode_steps": len(generated) - 1}
+        on_token(outputs[0][:])
+    pos = lengths.clone()  # position of each row's newest token, not yet in the cache
+    histories = [list(p) + o for p, o in zip(prompts, outputs)]
+    rounds, accept_counts, draft_s, verify_s = 0, [0] * (speculate_k + 1), 0.0, 0.0
+    while not all(done):
+        active = torch.tensor([not d for d in done], device=device)
+        if drafter is None:
+            new = [[t] for t in steps.decode(model, token.clone(), pos, temperature, top_k, top_p).tolist()]
+            pos += active
+        else:
+            from speculative import speculative_decode
+            draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, speculate_k,
+                                                              steps.verify, temperature, top_k, top_p)
+            draft_s, verify_s = draft_s + timing[0], verify_s + timing[1]
+            n_list = n.tolist()
+            new = [d[:k] + [t] for d, k, t in zip(draft.tolist(), n_list, next_token.tolist())]
+            for b in range(B):
+                if not done[b]:
+                    accept_counts[n_list[b]] += 1
+            pos += (n + 1) * active  # a finished row stays where it is
+        rounds += 1
+        shown = len(outputs[0])
+        for b in range(B):
+            if done[b]:
+                continue
+            histories[b] += new[b]
+            for t in new[b]:
+                outputs[b].append(t)
+                if t in eos_ids or len(outputs[b]) == max_new_tokens:
+                    done[b] = True
+                    break
+        token = torch.tensor([h[-1] for h in histories], device=device)
+        if on_token and len(outputs[0]) > shown:
+            on_token(outputs[0][shown:])
+    stats.update(total_s=time.perf_counter() - t0, decode_steps=rounds)
+    if drafter:
+        counted = sum(accept_counts)
+        accepted = sum(i * c for i, c in enumerate(accept_counts))
+        tried = sum(min(i + 1, speculate_k) * c for i, c in enumerate(accept_counts))
+        stats.update(accept_counts=accept_counts, speculate_k=speculate_k,
+                     mean_accepted=(accepted + counted) / max(counted, 1), alpha=accepted / max(tried, 1),
+                     draft_cost_ratio=(draft_s / (rounds * speculate_k)) / (verify_s / rounds) if rounds else 0.0)
+    return outputs, stats
 
 
 # ---------------------------------------------------------------- CLI
@@ -229,10 +257,8 @@ class TextStream:
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.printed = tokenizer, [], 0
 
-    def __call__(self, step, tokens):
-        if tokens[0] in self.tokenizer.eos_ids:
-            return
-        self.ids.append(tokens[0])
+    def __call__(self, tokens):
+        self.ids += [t for t in tokens if t not in self.tokenizer.eos_ids]
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd"):
             print(text[self.printed:], end="", flush=True)
@@ -255,6 +281,10 @@ def build_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
     p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming")
+    p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
+    p.add_argument("--draft", choices=["model", "ngram"], default=None,
+                   help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
+    p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per speculative round")
     return p
 
 
@@ -270,10 +300,34 @@ def check_options(opts):
         raise InputError("--top_k must be at least 1")
     if opts.top_p is not None and not 0 < opts.top_p <= 1:
         raise InputError("--top_p must be in (0, 1]")
+    if opts.draft == "model" and not opts.draft_checkpoint:
+        raise InputError("--draft model needs --draft_checkpoint PATH")
+    if opts.speculate_k < 1:
+        raise InputError("--speculate_k must be at least 1")
     try:
         torch.empty(0, device=opts.device)
     except (RuntimeError, AssertionError) as e:
         raise InputError(f"--device {opts.device}: not available ({str(e).splitlines()[0]})") from None
+
+
+def make_drafter(opts, tokenizer, dtype, target_args):
+    """The drafter named by the flags, or None. A draft model must share the target's tokenizer."""
+    from speculative import ModelDrafter, NgramDrafter
+    kind = opts.draft or ("model" if opts.draft_checkpoint else None)
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind is None:
+        return None
+    draft_dir, _ = resolve_checkpoint(opts.draft_checkpoint)
+    draft_tokenizer = Tokenizer(draft_dir)
+    if not tokenizer.same_vocabulary(draft_tokenizer):
+        raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
+                         f"({tokenizer.path}); speculation needs the same vocabulary")
+    draft = load_model(opts.draft_checkpoint, opts.device, dtype)
+    if draft.args.vocab_size != target_args.vocab_size:
+        raise InputError(f"{draft_dir / 'config.json'}: vocab_size {draft.args.vocab_size} differs from the "
+                         f"target's {target_args.vocab_size}; speculation needs the same vocabulary")
+    return ModelDrafter(draft, compile=opts.compile)
 
 
 def run(opts):
@@ -289,10 +343,12 @@ def run(opts):
     cache_length(len(prompt), opts.max_new_tokens, model.args)  # fail before compiling
     steps = Steps(opts.compile, opts.compile_prefill, opts.device)
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
+    drafter = make_drafter(opts, tokenizer, DTYPES[opts.dtype], model.args)
+    speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
     if opts.compile or opts.compile_prefill:  # compile on a short warm-up so the timed runs are steady
         t = time.perf_counter()
-        generate(model, prompts, 3, steps, **sampling)
+        generate(model, prompts, 2 * opts.speculate_k + 2 if drafter else 3, steps, **sampling, **speculation)
         compile_s = time.perf_counter() - t
     if not opts.json:
         print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", compiled in {compile_s:.1f} s" if compile_s else ""),
@@ -302,27 +358,34 @@ def run(opts):
         stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json else None
         if stream:
             print(tokenizer.decode(prompt), end="", flush=True)
-        rows, timing = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
-                                on_token=stream, **sampling)
-        steps_run = timing["decode_steps"] + 1
-        tokens_per_s = steps_run / timing["total_s"]
-        decode_s = timing["total_s"] - timing["prefill_s"]
-        decode_tokens_per_s = timing["decode_steps"] / decode_s if timing["decode_steps"] else 0.0
-        bandwidth = step_bytes * decode_tokens_per_s / 1e9
+        rows, stats = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
+                               on_token=stream, **sampling, **speculation)
+        decode_s = stats["total_s"] - stats["prefill_s"]
+        longest = max(len(row) for row in rows)
+        tokens_per_s = longest / stats["total_s"]
+        decode_tokens_per_s = (longest - 1) / decode_s if longest > 1 else 0.0
+        # Bytes of target weights read per second: one full read per decode step or verify round.
+        bandwidth = step_bytes * stats["decode_steps"] / decode_s / 1e9 if decode_s > 0 else 0.0
+        spec = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
+                if k in ("accept_counts", "mean_accepted", "alpha", "draft_cost_ratio", "speculate_k")}
         for b, row in enumerate(rows):
             record = dict(sample=sample_idx, row=b, prompt_tokens=len(prompt), tokens=row,
                           text=tokenizer.decode([t for t in row if t not in tokenizer.eos_ids]),
                           tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
-                          prefill_s=round(timing["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
-                          compile_s=round(compile_s, 2), batch_size=opts.batch_size)
+                          prefill_s=round(stats["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
+                          compile_s=round(compile_s, 2), batch_size=opts.batch_size, **spec)
             if opts.json:
                 print(json.dumps(record), flush=True)
             elif not stream:
                 print(f"--- sample {sample_idx} row {b}\n{tokenizer.decode(prompt)}{record['text']}")
         if not opts.json:
-            print(f"\n[{steps_run} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
-                  f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {timing['prefill_s']:.3f} s]",
+            print(f"\n[{longest} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
+                  f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {stats['prefill_s']:.3f} s]",
                   file=sys.stderr)
+            if spec:
+                print(f"[speculative: k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
+                      f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
+                      f"{spec['draft_cost_ratio']:.3f}]", file=sys.stderr)
 
 
 def main(argv=None):

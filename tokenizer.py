@@ -54,6 +54,13 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        if (self._sp is None) != (other._sp is None) or self.vocab_size != other.vocab_size:
+            return False
+        if self._sp is not None:
+            return all(self._sp.IdToPiece(i) == other._sp.IdToPiece(i) for i in range(self.vocab_size))
+        return self._hf.get_vocab(with_added_tokens=True) == other._hf.get_vocab(with_added_tokens=True)
+
     def decode(self, ids: list[int]) -> str:
         if self._sp is not None:
             return self._sp.DecodeIds(list(ids))

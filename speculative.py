@@ -1,0 +1,131 @@
+"""Speculative decoding: drafters, the acceptance rule, and one round of `speculative_decode`.
+
+A round: the drafter proposes K tokens and the distributions q they were drawn from (None when the drafter is
+deterministic: q is then one-hot); the target scores [last, d1..dK] in one forward (the verify step); the
+modified rejection rule accepts a prefix and draws one more token, so every round emits 1..K+1 tokens and the
+output is distributed exactly as plain decoding from the target (Leviathan et al. 2023, Chen et al. 2023).
+"""
+import time
+
+import torch
+
+from generate import logits_to_probs
+
+
+def target_probs(logits, temperature, top_k, top_p):
+    """The target's distribution per position; one-hot argmax when greedy."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return logits_to_probs(logits, temperature, top_k, top_p)
+
+
+def accept(draft, q, p, u, noise):
+    """The acceptance rule, a pure function.
+
+    draft [B, K] proposed tokens; q [B, K, V] the distributions they were drawn from, or None (one-hot);
+    p [B, K+1, V] target distributions (already warped by temperature / top-k / top-p, like q);
+    u [B, K] uniform in [0, 1); noise [B, V] Exponential(1). Returns (n accepted [B], next token [B]).
+    """
+    B, K = draft.shape
+    p_of_draft = p[:, :K].gather(-1, draft[..., None])[..., 0]
+    q_of_draft = torch.ones_like(p_of_draft) if q is None else q.gather(-1, draft[..., None])[..., 0]
+    accepted = u < p_of_draft / q_of_draft  # strict: a token with p = 0 is never accepted, even at u = 0
+    n = accepted.long().cumprod(-1).sum(-1)  # the accepted prefix
+    rows = torch.arange(B, device=draft.device)
+    p_next = p[rows, n]
+    rejected = n < K
+    drafted = draft[rows, n.clamp(max=K - 1)]
+    if q is None:
+        q_next = torch.nn.functional.one_hot(drafted, p.shape[-1]).to(p.dtype)
+    else:
+        q_next = q[rows, n.clamp(max=K - 1)]
+    residual = torch.where(rejected[:, None], (p_next - q_next).clamp_min(0), p_next)
+    # p == q leaves no residual mass; rejection then had probability 0, so this only guards rounding.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    return n, (residual / noise).argmax(-1)  # exponential race: samples residual / sum(residual)
+
+
+def verify(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p):
+    """Target forward over [last, d1..dK] and the acceptance rule: the step compiled once per K."""
+    p = target_probs(model(tokens, input_pos), temperature, top_k, top_p)
+    return accept(draft, q, p, u, noise)
+
+
+class ModelDrafter:
+    """A separate (smaller, or quantized) model proposes tokens with its own static KV cache.
+
+    Each round starts with a 2-token step over [the token before `last`, last]: for a row whose drafts were all
+    accepted this writes the last draft's KV, which the draft never computed; for other rows it rewrites an
+    identical entry. So no row needs special handling and the draft has two static shapes (2 and 1 tokens).
+    """
+
+    def __init__(self, model, compile=False):
+        self.model = model
+        self.step = torch.compile(self._step, fullgraph=True) if compile else self._step
+
+    @staticmethod
+    def _step(model, tokens, input_pos, temperature, top_k, top_p):
+        logits = model(tokens, input_pos)[:, -1]
+        if temperature == 0:
+            return logits.argmax(-1), None
+        q = logits_to_probs(logits, temperature, top_k, top_p)
+        return (q / torch.empty_like(q).exponential_(1)).argmax(-1), q
+
+    def prefill(self, tokens, input_pos, cache_len):
+        self.model.setup_caches(tokens.shape[0], cache_len)
+        self.model(tokens, input_pos, input_pos[:, -1:] * 0)  # only the KV cache matters here
+
+    def propose(self, histories, pos, k, temperature, top_k, top_p):
+        device = pos.device
+        pair = torch.tensor([h[-2:] for h in histories], device=device)
+        token, q = self.step(self.model, pair, torch.stack([pos - 1, pos], -1), temperature, top_k, top_p)
+        tokens, qs = [token], [q]
+        for i in range(1, k):
+            token, q = self.step(self.model, token[:, None].clone(), (pos + i)[:, None], temperature, top_k, top_p)
+            tokens.append(token)
+            qs.append(q)
+        return torch.stack(tokens, 1), None if temperature == 0 else torch.stack(qs, 1)
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the latest earlier occurrence of the longest suffix n-gram (n <= max_ngram)."""
+
+    def __init__(self, max_ngram=3):
+        self.max_ngram = max_ngram
+
+    def prefill(self, tokens, input_pos, cache_len):
+        pass
+
+    def propose(self, histories, pos, k, temperature, top_k, top_p):
+        proposals = []
+        for h in histories:
+            continuation = []
+            for n in range(min(self.max_ngram, len(h) - 1), 0, -1):
+                suffix = h[-n:]
+                for start in range(len(h) - n - 1, -1, -1):
+                    if h[start:start + n] == suffix:
+                        continuation = h[start + n:start + n + k]
+                        break
+                if continuation:
+                    break
+            continuation = (continuation or [h[-1]]) + [h[-1]] * k  # fixed shape: pad with the last token
+            proposals.append(continuation[:k])
+        return torch.tensor(proposals, device=pos.device), None  # deterministic: q is one-hot
+
+
+def speculative_decode(model, drafter, histories, pos, k, verify_step, temperature=0.0, top_k=None, top_p=None):
+    """One round for a batch. histories: host token lists per row (prompt + generated; the last one is not yet
+    in the target's cache, at position pos [B]). Returns drafts [B, K], n accepted [B], next token [B] and the
+    (draft, verify) seconds, from which the draft cost ratio c is measured."""
+    t0 = time.perf_counter()
+    draft, q = drafter.propose(histories, pos, k, temperature, top_k, top_p)
+    draft.tolist()  # host sync, so the timings split draft from verify
+    last = torch.tensor([h[-1] for h in histories], device=pos.device)
+    tokens = torch.cat([last[:, None], draft], 1)
+    input_pos = pos[:, None] + torch.arange(k + 1, device=pos.device)
+    u = torch.rand(draft.shape, device=pos.device)
+    noise = torch.empty(draft.shape[0], model.args.vocab_size, device=pos.device).exponential_(1)
+    t1 = time.perf_counter()
+    n, next_token = verify_step(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p)
+    n.tolist()
+    return draft, n, next_token, (t1 - t0, time.perf_counter() - t1)

@@ -1,0 +1,169 @@
+"""speculative.py: the acceptance rule reproduces the target distribution; greedy speculation is lossless."""
+import json
+
+import pytest
+import torch
+
+from bench import humaneval_tasks
+from generate import Steps, generate, load_model, logits_to_probs
+from model import ModelArgs, Transformer
+from speculative import ModelDrafter, NgramDrafter, accept
+from test_generate import cli
+from tokenizer import Tokenizer
+
+TV_BOUND = 0.01
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,same", [
+    (1.0, None, None, False), (0.7, None, None, False), (1.0, 3, None, False), (0.7, None, 0.8, False),
+    (1.0, None, None, True)])
+def test_acceptance_rule_reproduces_the_warped_target(temperature, top_k, top_p, same):
+    """200k draws, vocabulary 6, K = 2: the first emitted token's empirical distribution is within TV 0.01 of
+    the (warped) target p_1, whatever the draft q was (sampling noise alone gives ~0.002)."""
+    g = torch.Generator().manual_seed(hash((temperature, top_k, top_p, same)) % 2**31)
+    N, K, V = 200_000, 2, 6
+    p_logits, q_logits = torch.randn(K + 1, V, generator=g) * 1.5, torch.randn(K, V, generator=g) * 1.5
+    if same:
+        q_logits = p_logits[:K].clone()
+    p = logits_to_probs(p_logits, temperature, top_k, top_p)
+    q = logits_to_probs(q_logits, temperature, top_k, top_p)
+    draft = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], 1)
+    u = torch.rand(N, K, generator=g)
+    noise = torch.empty(N, V).exponential_(1, generator=g)
+    n, next_token = accept(draft, q.expand(N, K, V), p.expand(N, K + 1, V), u, noise)
+    first = torch.where(n > 0, draft[:, 0], next_token)
+    empirical = torch.bincount(first, minlength=V).float() / N
+    assert 0.5 * (empirical - p[0]).abs().sum() < TV_BOUND
+    if same:
+        assert (n == K).all()  # p == q: every draft accepted, no 0/0 in the residual
+    # Given the first token was accepted, the second emitted token follows p_2.
+    second = torch.where(n > 1, draft[:, 1], next_token)[n > 0]
+    empirical = torch.bincount(second, minlength=V).float() / len(second)
+    assert 0.5 * (empirical - p[1]).abs().sum() < 2 * TV_BOUND
+
+
+def test_greedy_acceptance_and_one_hot_draft():
+    p = torch.nn.functional.one_hot(torch.tensor([[3, 1, 4]]), 5).float()
+    noise = torch.ones(1, 5)
+    n, nxt = accept(torch.tensor([[3, 2]]), None, p, torch.zeros(1, 2), noise)
+    assert n.item() == 1 and nxt.item() == 1  # second draft rejected, corrected to the argmax
+    n, nxt = accept(torch.tensor([[3, 1]]), None, p, torch.zeros(1, 2), noise)
+    assert n.item() == 2 and nxt.item() == 4  # all accepted, bonus token from p_3
+    n, _ = accept(torch.tensor([[0, 1]]), None, p, torch.zeros(1, 2), noise)
+    assert n.item() == 0  # u = 0 and p = 0: strict < rejects
+
+
+def test_ngram_drafter_continues_the_latest_match():
+    drafter = NgramDrafter(max_ngram=3)
+    history = [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 4, 5, 6, 7]
+    tokens, q = drafter.propose([history], torch.tensor([0]), 3, 0.0, None, None)
+    assert tokens.tolist() == [[9, 4, 5]] and q is None
+    tokens, _ = drafter.propose([[1, 2, 3]], torch.tensor([0]), 2, 0.0, None, None)
+    assert tokens.tolist() == [[3, 3]]  # no match: the last token, repeated
+
+
+@pytest.fixture(scope="module")
+def real(smollm2):
+    ckpt, _ = smollm2
+    tokenizer = Tokenizer(ckpt)
+    model = load_model(ckpt, "cpu", torch.float32)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
+    plain = [generate(model, [p], 64, Steps())[0][0] for p in prompts]
+    return ckpt, model, prompts, plain
+
+
+def random_draft(vocab_size):
+    torch.manual_seed(3)
+    draft = Transformer(ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  intermediate_size=128, max_seq_len=8192))
+    return draft.eval()
+
+
+@pytest.mark.parametrize("drafter_kind", ["self", "random", "ngram"])
+def test_greedy_speculation_equals_plain_decoding_on_smollm2(real, drafter_kind):
+    ckpt, model, prompts, plain = real
+    k = 4
+    if drafter_kind == "self":
+        drafter = ModelDrafter(load_model(ckpt, "cpu", torch.float32))
+    elif drafter_kind == "random":
+        drafter = ModelDrafter(random_draft(model.args.vocab_size))
+    else:
+        drafter = NgramDrafter()
+    for prompt, expected in zip(prompts, plain):
+        rows, stats = generate(model, [prompt], 64, Steps(), drafter=drafter, speculate_k=k)
+        assert rows[0] == expected
+        if drafter_kind == "self":
+            assert stats["mean_accepted"] == k + 1 and stats["alpha"] == 1.0
+        if drafter_kind == "random":
+            assert stats["alpha"] < 0.05
+    # (d) the three prompts as one ragged batch: each row accepts its own count and equals its plain output
+    rows, stats = generate(model, prompts, 64, Steps(), drafter=drafter, speculate_k=k)
+    assert rows == plain
+
+
+def test_sampled_speculation_matches_the_target_distribution():
+    """Tiny random target (vocabulary 8) and an unrelated random draft, temperature 1, top-k 6. Statistic: the
+    total-variation distance between the empirical joint distribution of the first two generated tokens over
+    40k sequences and the exact joint computed from the target's own logits. Bound 0.03; sampling noise
+    alone gives about 0.015 (plain sampling is held to the same bound as a control)."""
+    V, k, temperature, top_k = 8, 3, 1.0, 6
+    torch.manual_seed(0)
+    target = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   intermediate_size=64, max_seq_len=512)).eval()
+    draft = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                  intermediate_size=64, max_seq_len=512)).eval()
+    for m, scale in ((target, 0.5), (draft, 0.5)):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, scale)
+    prompt = [1, 5, 2]
+    with torch.no_grad():
+        target.setup_caches(1, 8)
+        first = logits_to_probs(target(torch.tensor([prompt]), torch.arange(3)[None])[0, -1], temperature, top_k)
+        exact = torch.zeros(V, V)
+        for t1 in range(V):
+            target.setup_caches(1, 8)
+            logits = target(torch.tensor([prompt + [t1]]), torch.arange(4)[None])[0, -1]
+            exact[t1] = first[t1] * logits_to_probs(logits, temperature, top_k)
+
+    def empirical(drafter, seed):
+        torch.manual_seed(seed)
+        counts = torch.zeros(V, V)
+        for _ in range(8):
+            rows, _ = generate(target, [prompt] * 5000, 2, Steps(), temperature=temperature, top_k=top_k,
+                               drafter=drafter, speculate_k=k)
+            pairs = torch.tensor([r[:2] for r in rows])
+            counts += torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).float()
+        return counts / counts.sum()
+
+    spec = empirical(ModelDrafter(draft), 1)
+    plain = empirical(None, 2)
+    assert 0.5 * (plain - exact).abs().sum() < 0.03
+    assert 0.5 * (spec - exact).abs().sum() < 0.03
+
+
+def test_cli_speculation_metrics_and_vocabulary_check(tiny, tmp_path):
+    ckpt, _ = tiny("llama_gqa_tied")
+    result = cli("--checkpoint_path", str(ckpt), "--prompt", "abcabcabcab", "--max_new_tokens", "12", "--json",
+                 "--dtype", "fp32", "--temperature", "0", "--draft", "ngram", "--speculate_k", "3")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["speculate_k"] == 3 and len(record["accept_counts"]) == 4
+    for key in ("mean_accepted", "alpha", "draft_cost_ratio"):
+        assert key in record
+    plain = cli("--checkpoint_path", str(ckpt), "--prompt", "abcabcabcab", "--max_new_tokens", "12", "--json",
+                "--dtype", "fp32", "--temperature", "0")
+    assert json.loads(plain.stdout)["tokens"] == record["tokens"]
+
+    other, _ = tiny("codegen_partial_rotary")  # same vocabulary size, but make its tokenizer differ
+    (tmp_path / "draft").mkdir()
+    for f in other.iterdir():
+        (tmp_path / "draft" / f.name).write_bytes(f.read_bytes())
+    tok = json.loads((tmp_path / "draft" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "draft" / "tokenizer.json").write_text(json.dumps(tok))
+    result = cli("--checkpoint_path", str(ckpt), "--draft_checkpoint", str(tmp_path / "draft"), "--json")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("error:") and "tokenizer differs" in result.stderr

@@ -151,6 +151,7 @@ class Steps:
             mode = "reduce-overhead" if str(device).startswith("cuda") else None
             self.decode = torch.compile(decode_one_token, mode=mode, fullgraph=True)
             self.verify = torch.compile(verify, mode=mode, fullgraph=True)  # one graph per speculate_k
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)  # auto: K 1..8
         if compile_prefill:
             self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 
@@ -172,15 +173,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     Rows are right-padded; each row runs at its own positions, so padding is never attended and is
     overwritten as the row decodes. A row stops at its first EOS (kept in its output) or at max_new_tokens; the
     batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
-    With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts.
+    With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
+    "auto": chosen online by speculative.AdaptiveK).
     """
+    from speculative import AdaptiveK, speculative_decode
+    adaptive = AdaptiveK() if speculate_k == "auto" else None
+    k_max = adaptive.k_max if adaptive else speculate_k
     device = model.output.weight.device
     B = len(prompts)
     if min(len(p) for p in prompts) == 0:
         raise InputError("empty prompt: give at least one token")
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lengths.max())
-    spare = 2 * (speculate_k + 1) if drafter else 0  # verify writes up to K+1 slots past a row's end
+    spare = 2 * (k_max + 1) if drafter else 0  # verify writes up to K+1 slots past a row's end
     cache_len = max(model.max_seq_len, cache_length(T, max_new_tokens, model.args, spare))
     model.setup_caches(B, cache_len)
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -199,22 +204,28 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
         on_token(outputs[0][:])
     pos = lengths.clone()  # position of each row's newest token, not yet in the cache
     histories = [list(p) + o for p, o in zip(prompts, outputs)]
-    rounds, accept_counts, draft_s, verify_s = 0, [0] * (speculate_k + 1), 0.0, 0.0
+    rounds, accept_counts, draft_s, verify_s, drafted, tried, ks = 0, [0] * (k_max + 1), 0.0, 0.0, 0, 0, []
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
         if drafter is None:
             new = [[t] for t in steps.decode(model, token.clone(), pos, temperature, top_k, top_p).tolist()]
             pos += active
         else:
-            from speculative import speculative_decode
-            draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, speculate_k,
-                                                              steps.verify, temperature, top_k, top_p)
-            draft_s, verify_s = draft_s + timing[0], verify_s + timing[1]
+            k = adaptive.k if adaptive else speculate_k
+            draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, k, steps.verify,
+                                                              temperature, top_k, top_p)
+            draft_s, verify_s, drafted = draft_s + timing[0], verify_s + timing[1], drafted + k
             n_list = n.tolist()
-            new = [d[:k] + [t] for d, k, t in zip(draft.tolist(), n_list, next_token.tolist())]
+            new = [d[:m] + [t] for d, m, t in zip(draft.tolist(), n_list, next_token.tolist())]
+            round_accepted = round_tried = 0
             for b in range(B):
                 if not done[b]:
                     accept_counts[n_list[b]] += 1
+                    round_accepted, round_tried = round_accepted + n_list[b], round_tried + min(n_list[b] + 1, k)
+            tried += round_tried
+            ks.append(k)
+            if adaptive:
+                adaptive.update(round_accepted, round_tried, timing[0] / k, timing[1])
             pos += (n + 1) * active  # a finished row stays where it is
         rounds += 1
         shown = len(outputs[0])
@@ -234,10 +245,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     if drafter:
         counted = sum(accept_counts)
         accepted = sum(i * c for i, c in enumerate(accept_counts))
-        tried = sum(min(i + 1, speculate_k) * c for i, c in enumerate(accept_counts))
-        stats.update(accept_counts=accept_counts, speculate_k=speculate_k,
+        stats.update(accept_counts=accept_counts, speculate_k=max(set(ks), key=ks.count) if ks else k_max,
                      mean_accepted=(accepted + counted) / max(counted, 1), alpha=accepted / max(tried, 1),
-                     draft_cost_ratio=(draft_s / (rounds * speculate_k)) / (verify_s / rounds) if rounds else 0.0)
+                     draft_cost_ratio=(draft_s / drafted) / (verify_s / rounds) if rounds else 0.0,
+                     verify_s_per_round=verify_s / max(rounds, 1))
     return outputs, stats
 
 
@@ -265,6 +276,14 @@ class TextStream:
             self.printed = len(text)
 
 
+def speculate_k_arg(value: str):
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a positive integer or 'auto'")
+    return int(value)
+
+
 def build_parser():
     p = argparse.ArgumentParser(description="Generate text from a converted checkpoint.")
     p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
@@ -284,7 +303,8 @@ def build_parser():
     p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
     p.add_argument("--draft", choices=["model", "ngram"], default=None,
                    help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
-    p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per speculative round")
+    p.add_argument("--speculate_k", type=speculate_k_arg, default=5,
+                   help="tokens drafted per speculative round, or 'auto' (chosen online from measured alpha and c)")
     return p
 
 
@@ -302,8 +322,6 @@ def check_options(opts):
         raise InputError("--top_p must be in (0, 1]")
     if opts.draft == "model" and not opts.draft_checkpoint:
         raise InputError("--draft model needs --draft_checkpoint PATH")
-    if opts.speculate_k < 1:
-        raise InputError("--speculate_k must be at least 1")
     try:
         torch.empty(0, device=opts.device)
     except (RuntimeError, AssertionError) as e:
@@ -348,7 +366,7 @@ def run(opts):
     compile_s = 0.0
     if opts.compile or opts.compile_prefill:  # compile on a short warm-up so the timed runs are steady
         t = time.perf_counter()
-        generate(model, prompts, 2 * opts.speculate_k + 2 if drafter else 3, steps, **sampling, **speculation)
+        generate(model, prompts, 12 if drafter else 3, steps, **sampling, **speculation)
         compile_s = time.perf_counter() - t
     if not opts.json:
         print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", compiled in {compile_s:.1f} s" if compile_s else ""),

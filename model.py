@@ -119,16 +119,18 @@ def apply_rotary(x, cos, sin, rotary_dim):
 
 
 class Linear(nn.Linear):
-    """nn.Linear with a faster few-row path for 16-bit weights on CPU under torch.compile.
+    """nn.Linear with a faster one-row path for 16-bit weights on CPU under torch.compile.
 
     Without native bf16 FMA, the CPU GEMM converts bf16 at ~13 GB/s, slower than reading fp32. Written as an
     upcast-multiply-reduce, inductor fuses the conversion into a vectorized reduction that reads the weight
-    at ~21 GB/s (scripts/bench.py). Eager mode would materialize the product, so it keeps F.linear.
+    at ~21 GB/s. Only for one row: with more (verify, batches) inductor inlines the input's producers into the
+    weight loop and recomputes them per output row (measured: verify of 5 tokens 3-5x slower than F.linear).
+    Eager mode would materialize the product, so it keeps F.linear.
     """
 
     def forward(self, x):
         w = self.weight
-        if (w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" and x.numel() <= 8 * x.shape[-1]
+        if (w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" and x.numel() == x.shape[-1]
                 and torch.compiler.is_compiling()):
             y = (x.float().unsqueeze(-2) * w.float()).sum(-1)
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
@@ -171,8 +173,8 @@ class Attention(nn.Module):
         # folded into the query-length axis, [B, H_kv, G * T, D].
         groups = self.n_heads // self.n_kv_heads
         q = q.transpose(1, 2).reshape(B, self.n_kv_heads, groups * T, hd)
-        if torch.compiler.is_compiling() and q.device.type == "cpu" and groups * T <= 64:
-            # Few query rows: plain reductions that inductor fuses, instead of an extern SDPA call per layer.
+        if torch.compiler.is_compiling() and q.device.type == "cpu" and T == 1:
+            # One token: plain reductions that inductor fuses, instead of an extern SDPA call per layer.
             scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) / math.sqrt(hd)
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)

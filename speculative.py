@@ -113,6 +113,32 @@ class NgramDrafter:
         return torch.tensor(proposals, device=pos.device), None  # deterministic: q is one-hot
 
 
+def expected_speedup(alpha: float, c: float, k: int) -> float:
+    """Tokens per round over the round's cost in target steps: (1 - a^(k+1)) / ((1 - a)(k c + 1))."""
+    alpha = min(max(alpha, 1e-3), 1 - 1e-3)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
+class AdaptiveK:
+    """--speculate_k auto: keeps moving averages of alpha (accepted / tried drafts) and c (draft step time /
+    verify time) and, every few rounds, steps K by one toward the K that maximizes expected_speedup. Small
+    steps, because under torch.compile every new K costs one more verify graph."""
+
+    def __init__(self, k=4, k_max=8, every=8, decay=0.8):
+        self.k, self.k_max, self.every, self.decay = k, k_max, every, decay
+        self.alpha, self.c, self.rounds = 0.5, 0.1, 0
+
+    def update(self, accepted: int, tried: int, draft_step_s: float, verify_s: float):
+        d = self.decay
+        if tried:
+            self.alpha = d * self.alpha + (1 - d) * accepted / tried
+        self.c = d * self.c + (1 - d) * draft_step_s / max(verify_s, 1e-9)
+        self.rounds += 1
+        if self.rounds % self.every == 0:
+            best = max(range(1, self.k_max + 1), key=lambda k: expected_speedup(self.alpha, self.c, k))
+            self.k += (best > self.k) - (best < self.k)
+
+
 def speculative_decode(model, drafter, histories, pos, k, verify_step, temperature=0.0, top_k=None, top_p=None):
     """One round for a batch. histories: host token lists per row (prompt + generated; the last one is not yet
     in the target's cache, at position pos [B]). Returns drafts [B, K], n accepted [B], next token [B] and the

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from speculative import ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 
@@ -46,18 +48,41 @@ def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5) -> float:
     return buffer.numel() * 4 / best / 1e9
 
 
-def bench_ours(model, prompts, new_tokens, runs, compiled):
+def bench_ours(model, prompts, new_tokens, runs, compiled, drafter=None, k=4):
+    """Median decode tok/s (emitted tokens after the first, over the time after prefill); with a drafter also
+    the alpha and draft cost ratio c measured over all runs."""
     steps = Steps(compile=compiled)
+    spec = dict(drafter=drafter, speculate_k=k)
     t = time.perf_counter()
-    generate(model, prompts[:1], 3, steps)  # warm-up; for the compiled row, the compile
+    generate(model, prompts[:1], 12 if drafter else 3, steps, **spec)  # warm-up; compiled: the compile
     warmup_s = time.perf_counter() - t
-    rates, outputs = [], []
+    rates, outputs, alphas, costs, ks, verify_s = [], [], [], [], [], []
     for prompt in prompts:
         for _ in range(runs):
-            rows, timing = generate(model, [prompt], new_tokens, steps)
-            rates.append(timing["decode_steps"] / (timing["total_s"] - timing["prefill_s"]))
+            rows, stats = generate(model, [prompt], new_tokens, steps, **spec)
+            rates.append((len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]))
+            if drafter:
+                alphas.append(stats["alpha"])
+                costs.append(stats["draft_cost_ratio"])
+                ks.append(stats["speculate_k"])
+                verify_s.append(stats["verify_s_per_round"])
         outputs.append(rows[0])
-    return statistics.median(rates), warmup_s, outputs
+    extra = dict(alpha=statistics.mean(alphas), c=statistics.mean(costs), k=statistics.mode(ks),
+                 verify_s=statistics.mean(verify_s)) if drafter else {}
+    return statistics.median(rates), warmup_s, outputs, extra
+
+
+def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "self":  # the target as its own draft: everything is accepted; measures the overhead
+        return ModelDrafter(load_model(checkpoint_path, "cpu", dtype), compile=compiled)
+    if kind == "random":  # a random-weight draft of the same vocabulary: almost nothing is accepted
+        torch.manual_seed(0)
+        draft = Transformer(ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      intermediate_size=128, max_seq_len=8192)).to(dtype).eval()
+        return ModelDrafter(draft, compile=compiled)
+    sys.exit(f"error: unknown drafter '{kind}'; use self, random or ngram")
 
 
 @torch.no_grad()
@@ -87,7 +112,11 @@ def main(argv=None):
     p.add_argument("--num_prompts", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt")
-    p.add_argument("--rows", default="compiled,eager,hf", help="comma-separated: compiled, eager, hf")
+    p.add_argument("--rows", default="compiled,eager,hf",
+                   help="comma-separated: compiled, eager, hf, and speculative rows spec-DRAFTER[-K] with DRAFTER "
+                        "in self, random, ngram and K an int or auto (default --speculate_k)")
+    p.add_argument("--speculate_k", default="4")
+    p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")
     opts = p.parse_args(argv)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
@@ -106,22 +135,44 @@ def main(argv=None):
     print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'compile s':>9} | same tokens |")
     print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 11}|-------------|")
     first = reference = None
+    spec_lines = []
     for row in opts.rows.split(","):
+        extra = {}
         if row == "compiled":
-            rate, warm, outputs = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=True)
+            rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=True)
         elif row == "eager":
-            rate, warm, outputs = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=False)
+            rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=False)
         elif row == "hf":
-            rate, warm, outputs = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
+            rate, warm, outputs, _ = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
+        elif row.startswith("spec-"):
+            _, kind, *k = row.split("-")
+            k = k[0] if k else opts.speculate_k
+            k = k if k == "auto" else int(k)
+            drafter = make_drafter(kind, opts.checkpoint_path, dtype, model.args.vocab_size, not opts.eager_spec)
+            rate, warm, outputs, extra = bench_ours(model, prompts, opts.max_new_tokens, opts.runs,
+                                                    compiled=not opts.eager_spec, drafter=drafter, k=k)
         else:
-            sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf")
+            sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf, spec-DRAFTER[-K]")
         first = first or rate
         reference = reference or outputs
         same = sum(a == b for a, b in zip(outputs, reference))
-        name = {"compiled": "ours, torch.compile", "eager": "ours, eager", "hf": "transformers generate"}[row]
-        compile_s = f"{warm:.1f}" if row == "compiled" else "-"
+        name = {"compiled": "ours, torch.compile", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
+        compiled = row == "compiled" or (row.startswith("spec-") and not opts.eager_spec)
+        compile_s = f"{warm:.1f}" if compiled else "-"
         print(f"| {name:<24} | {rate:7.2f} | {100 * step_bytes * rate / 1e9 / bandwidth:10.1f}% | "
               f"{rate / first:7.2f}x | {compile_s:>9} | {same}/{len(outputs)} |", flush=True)
+        if extra:
+            predicted = expected_speedup(extra["alpha"], extra["c"], extra["k"])
+            verify_cost = extra["verify_s"] * first  # v: one verify round in plain decode steps of the first row
+            spec_lines.append(f"| {row:<24} | {extra['k']:>2} | {extra['alpha']:.3f} | {extra['c']:.3f} | "
+                              f"{verify_cost:5.2f} | {rate / first:8.2f}x | {predicted:9.2f}x | "
+                              f"{predicted / verify_cost:11.2f}x |")
+    if spec_lines:
+        print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / ((1 - a)(K c + 1))"
+              " with c = draft step / verify time; v = verify time / plain step time; last column = predicted / v")
+        print(f"| {'row':<24} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
+        print(f"|{'-' * 26}|----|-------|-------|-------|----------|-----------|-------------|")
+        print("\n".join(spec_lines))
 
 
 if __name__ == "__main__":

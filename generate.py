@@ -165,6 +165,18 @@ def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extr
     return min(-(-needed // CACHE_ROUNDING) * CACHE_ROUNDING, args.max_seq_len)
 
 
+def spare_positions(drafter, speculate_k) -> int:
+    """Cache slots a speculative run may write past a row's last token (verify writes K+1 ahead)."""
+    from speculative import AdaptiveK
+    return 2 * ((AdaptiveK.k_max if speculate_k == "auto" else speculate_k) + 1) if drafter else 0
+
+
+def presize_caches(model, drafter, batch_size, longest_prompt, max_new_tokens, speculate_k):
+    """Allocate the caches a request needs before compiling, so the timed run reuses the compiled shapes."""
+    length = cache_length(longest_prompt, max_new_tokens, model.args, spare_positions(drafter, speculate_k))
+    model.setup_caches(batch_size, length)
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
              top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5):
@@ -178,14 +190,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     """
     from speculative import AdaptiveK, speculative_decode
     adaptive = AdaptiveK() if speculate_k == "auto" else None
-    k_max = adaptive.k_max if adaptive else speculate_k
     device = model.output.weight.device
     B = len(prompts)
     if min(len(p) for p in prompts) == 0:
         raise InputError("empty prompt: give at least one token")
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lengths.max())
-    spare = 2 * (k_max + 1) if drafter else 0  # verify writes up to K+1 slots past a row's end
+    k_max = adaptive.k_max if adaptive else speculate_k
+    spare = spare_positions(drafter, speculate_k)
     cache_len = max(model.max_seq_len, cache_length(T, max_new_tokens, model.args, spare))
     model.setup_caches(B, cache_len)
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -364,6 +376,7 @@ def run(opts):
     drafter = make_drafter(opts, tokenizer, DTYPES[opts.dtype], model.args)
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
+    presize_caches(model, drafter, len(prompts), len(prompt), opts.max_new_tokens, opts.speculate_k)
     if opts.compile or opts.compile_prefill:  # compile on a short warm-up so the timed runs are steady
         t = time.perf_counter()
         generate(model, prompts, 12 if drafter else 3, steps, **sampling, **speculation)

@@ -120,22 +120,42 @@ def expected_speedup(alpha: float, c: float, k: int) -> float:
 
 
 class AdaptiveK:
-    """--speculate_k auto: keeps moving averages of alpha (accepted / tried drafts) and c (draft step time /
-    verify time) and, every few rounds, steps K by one toward the K that maximizes expected_speedup. Small
-    steps, because under torch.compile every new K costs one more verify graph."""
+    """--speculate_k auto: every few rounds, step K by one toward the K that maximizes tokens per second,
+    (1 - a^(K+1)) / (1 - a) / (K t_draft + t_verify(K)), from moving averages measured online: alpha (accepted /
+    tried drafts), the draft step time, and the verify time at each K tried, fitted by a line in K. With one K
+    seen, t_verify is taken as constant and this is expected_speedup with c = t_draft / t_verify. The verify
+    time matters: on CPUs a (K+1)-token verify costs up to several decode steps (scripts/bench.py column v).
+    Small steps, because under torch.compile every new K costs one more verify graph."""
 
-    def __init__(self, k=4, k_max=8, every=8, decay=0.8):
-        self.k, self.k_max, self.every, self.decay = k, k_max, every, decay
-        self.alpha, self.c, self.rounds = 0.5, 0.1, 0
+    k_max = 8
+
+    def __init__(self, k=4, every=8, decay=0.8):
+        self.k, self.every, self.decay = k, every, decay
+        self.alpha, self.draft_s, self.verify_s, self.rounds = 0.5, None, {}, 0
+
+    def _ema(self, old, new):
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def verify_time(self, k: int) -> float:
+        ks = sorted(self.verify_s)
+        if len(ks) == 1:
+            return self.verify_s[ks[0]]
+        mean_k, mean_t = sum(ks) / len(ks), sum(self.verify_s.values()) / len(ks)
+        slope = sum((x - mean_k) * (self.verify_s[x] - mean_t) for x in ks) / sum((x - mean_k) ** 2 for x in ks)
+        return max(mean_t + slope * (k - mean_k), 1e-9)
+
+    def tokens_per_second(self, k: int) -> float:
+        c = self.draft_s / self.verify_time(k)
+        return expected_speedup(self.alpha, c, k) / self.verify_time(k)
 
     def update(self, accepted: int, tried: int, draft_step_s: float, verify_s: float):
-        d = self.decay
         if tried:
-            self.alpha = d * self.alpha + (1 - d) * accepted / tried
-        self.c = d * self.c + (1 - d) * draft_step_s / max(verify_s, 1e-9)
+            self.alpha = self._ema(self.alpha, accepted / tried)
+        self.draft_s = self._ema(self.draft_s, draft_step_s)
+        self.verify_s[self.k] = self._ema(self.verify_s.get(self.k), verify_s)
         self.rounds += 1
         if self.rounds % self.every == 0:
-            best = max(range(1, self.k_max + 1), key=lambda k: expected_speedup(self.alpha, self.c, k))
+            best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
             self.k += (best > self.k) - (best < self.k)
 
 

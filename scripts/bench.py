@@ -23,7 +23,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
-from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step  # noqa: E402
+from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from speculative import ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -53,6 +53,7 @@ def bench_ours(model, prompts, new_tokens, runs, compiled, drafter=None, k=4):
     the alpha and draft cost ratio c measured over all runs."""
     steps = Steps(compile=compiled)
     spec = dict(drafter=drafter, speculate_k=k)
+    presize_caches(model, drafter, 1, max(map(len, prompts)), new_tokens, k)
     t = time.perf_counter()
     generate(model, prompts[:1], 12 if drafter else 3, steps, **spec)  # warm-up; compiled: the compile
     warmup_s = time.perf_counter() - t

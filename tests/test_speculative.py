@@ -170,3 +170,24 @@ def test_cli_speculation_metrics_and_vocabulary_check(tiny, tmp_path):
     result = cli("--checkpoint_path", str(ckpt), "--draft_checkpoint", str(tmp_path / "draft"), "--json")
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("error:") and "tokenizer differs" in result.stderr
+
+
+def test_adaptive_k_converges_to_the_best_k_when_verify_cost_grows():
+    """Simulated rounds: alpha 0.8, draft step 0.1, verify 1 + 0.1 (K+1), so the best K is inside 1..8 and the
+    verify cost moves it. AdaptiveK, started at K = 1, must settle within one of the true best K."""
+    from speculative import AdaptiveK
+
+    def verify_time(k):
+        return 1 + 0.1 * (k + 1)
+
+    def tokens_per_second(k, alpha=0.8):
+        return (1 - alpha ** (k + 1)) / (1 - alpha) / (k * 0.1 + verify_time(k))
+
+    best = max(range(1, 9), key=tokens_per_second)
+    assert 2 < best < 8
+    adaptive = AdaptiveK(k=1)
+    for _ in range(400):
+        k = adaptive.k
+        accepted = sum(0.8 ** i for i in range(1, k + 1))  # expected accepted drafts per round
+        adaptive.update(accepted, accepted / 0.8, 0.1, verify_time(k))
+    assert abs(adaptive.k - best) <= 1, (adaptive.k, best)

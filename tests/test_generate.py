@@ -95,8 +95,9 @@ def test_cli_json_lines_and_seed(tiny):
         for key in ("prompt_tokens", "tokens", "text", "tokens_per_s", "bandwidth_gb_s", "compile_s"):
             assert key in record
         assert record["prompt_tokens"] == 5 and 1 <= len(record["tokens"]) <= 6
-    assert first.stdout == second.stdout.replace(*[""] * 2) or \
-        [r["tokens"] for r in lines] == [json.loads(x)["tokens"] for x in second.stdout.splitlines()]
+    # The same --seed gives the same samples (timings differ, so compare tokens).
+    assert [r["tokens"] for r in lines] == [json.loads(x)["tokens"] for x in second.stdout.splitlines()]
+    assert len({tuple(r["tokens"]) for r in lines}) > 1  # sampling at temperature 1 does vary across samples
 
 
 def assert_one_line_error(result, *fragments):

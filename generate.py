@@ -33,6 +33,8 @@ def resolve_checkpoint(path) -> tuple[Path, Path]:
         weights = path / "model.safetensors"
     else:
         weights, path = path, path.parent
+        if weights.exists() and weights.suffix != ".safetensors":
+            raise InputError(f"{weights}: expected a checkpoint directory or a .safetensors file")
     if not weights.is_file():
         raise InputError(f"{weights}: not found; convert a model first with scripts/convert_checkpoint.py")
     return path, weights
@@ -220,7 +222,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
         if drafter is None:
-            new = [[t] for t in steps.decode(model, token.clone(), pos, temperature, top_k, top_p).tolist()]
+            new = [[t] for t in steps.decode(model, token, pos, temperature, top_k, top_p).tolist()]
             pos += active
         else:
             k = adaptive.k if adaptive else speculate_k
@@ -296,8 +298,13 @@ def speculate_k_arg(value: str):
     return int(value)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    def error(self, message):
+        sys.exit(f"error: {message} (see --help)")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(description="Generate text from a converted checkpoint.")
+    p = OneLineErrors(description="Generate text from a converted checkpoint.")
     p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
     p.add_argument("--prompt", default="Hello, my name is", help="text, or an integer for a synthetic prompt")
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -334,6 +341,8 @@ def check_options(opts):
         raise InputError("--top_p must be in (0, 1]")
     if opts.draft == "model" and not opts.draft_checkpoint:
         raise InputError("--draft model needs --draft_checkpoint PATH")
+    if opts.draft == "ngram" and opts.draft_checkpoint:
+        raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
     try:
         torch.empty(0, device=opts.device)
     except (RuntimeError, AssertionError) as e:
@@ -370,7 +379,6 @@ def run(opts):
     load_s = time.perf_counter() - t
     prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
     prompts = [prompt] * opts.batch_size
-    cache_length(len(prompt), opts.max_new_tokens, model.args)  # fail before compiling
     steps = Steps(opts.compile, opts.compile_prefill, opts.device)
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     drafter = make_drafter(opts, tokenizer, DTYPES[opts.dtype], model.args)

@@ -71,7 +71,10 @@ class ModelArgs:
         missing = [name for name in required if name not in config]
         if missing:
             raise InputError(f"{path}: missing field '{missing[0]}'; re-run scripts/convert_checkpoint.py")
-        return cls(**{k: v for k, v in config.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in config.items() if k in known})
+        except InputError as e:  # name the file, not just "config.json"
+            raise InputError(str(e).replace("config.json", str(path), 1)) from None
 
 
 class KVCache(nn.Module):

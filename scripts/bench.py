@@ -169,8 +169,9 @@ def main(argv=None):
                               f"{verify_cost:5.2f} | {rate / first:8.2f}x | {predicted:9.2f}x | "
                               f"{predicted / verify_cost:11.2f}x |")
     if spec_lines:
-        print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / ((1 - a)(K c + 1))"
-              " with c = draft step / verify time; v = verify time / plain step time; last column = predicted / v")
+        print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / "
+              "((1 - a)(K c + 1)) with c = draft step / verify time; v = verify time / plain step time; "
+              "last column = predicted / v")
         print(f"| {'row':<24} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
         print(f"|{'-' * 26}|----|-------|-------|-------|----------|-----------|-------------|")
         print("\n".join(spec_lines))

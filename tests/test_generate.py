@@ -113,6 +113,10 @@ def test_cli_bad_input_gives_one_line_errors(tiny, tmp_path):
     ckpt, _ = tiny("llama_gqa_tied")
     assert_one_line_error(cli("--checkpoint_path", str(tmp_path / "missing")), "missing", "not found")
     assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--dtype", "fp64"), "--dtype fp64")
+    assert_one_line_error(cli("--checkpoint_path", str(ckpt / "config.json")), "expected a checkpoint directory")
+    assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--speculate_k", "0"), "--speculate_k")
+    assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--draft", "ngram", "--draft_checkpoint", str(ckpt)),
+                          "--draft ngram uses no model")
     assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--prompt", "300", "--max_new_tokens", "10"),
                           "exceeds the model's context of 256")
 
@@ -121,6 +125,11 @@ def test_cli_bad_input_gives_one_line_errors(tiny, tmp_path):
     for f in ckpt.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     config = json.loads((ckpt / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(dict(config, intermediate_size=64)))
+    assert_one_line_error(cli("--checkpoint_path", str(broken)), "feed_forward.w1.weight' has shape [128, 64]",
+                          "implies [64, 64]")
+    (broken / "config.json").write_text(json.dumps(dict(config, n_kv_heads=3)))
+    assert_one_line_error(cli("--checkpoint_path", str(broken)), str(broken / "config.json"), "inconsistent")
     del config["n_layers"]
     (broken / "config.json").write_text(json.dumps(config))
     assert_one_line_error(cli("--checkpoint_path", str(broken)), "config.json", "missing field 'n_layers'")

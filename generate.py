@@ -3,6 +3,7 @@
     python generate.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --prompt "def fib(n):" --compile
 """
 import argparse
+import dataclasses
 import json
 import mmap
 import struct
@@ -71,12 +72,23 @@ def map_safetensors(path: Path) -> tuple[dict, dict]:
 
 
 def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transformer:
-    """Build on the meta device, then assign the mapped tensors: the weights are never held twice."""
+    """Build on the meta device, then assign the mapped tensors: the weights are never held twice.
+    A file written by quantize.py carries its mode in the metadata and gets quantized modules."""
+    import quantize
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
     args = ModelArgs.from_config(ckpt_dir / "config.json")
+    tensors, metadata = map_safetensors(weights_path)
+    mode = metadata.get("quantization")
+    if mode:
+        if mode not in quantize.MODES:
+            raise InputError(f"{weights_path}: unknown quantization '{mode}' in the metadata; re-run quantize.py")
+        if mode == "int4" and torch.device(device).type != "cpu":
+            raise InputError(f"{weights_path}: int4 uses aten's CPU kernel; run with --device cpu or use int8/MX")
+        args = dataclasses.replace(args, tie_embeddings=False)  # quantize.py stores its own LM head
     with torch.device("meta"):
         model = Transformer(args)
-    tensors, _ = map_safetensors(weights_path)
+        if mode:
+            quantize.replace_linears(model, mode, int(metadata.get("groupsize", 128)))
     expected = model.state_dict()
     if args.tie_embeddings:
         expected.pop("output.weight")
@@ -89,16 +101,31 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transform
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise InputError(f"{weights_path}: unexpected tensor '{unexpected[0]}' (does config.json match?)")
-    state = {name: tensors[name].to(device=device, dtype=dtype) for name in expected}
+    state = {name: tensors[name].to(device=device, dtype=dtype if tensors[name].is_floating_point() else None)
+             for name in expected}
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, (quantize.Int4Linear, quantize.MXLinear)):
+            module.prepare()  # the kernel's runtime layout, built from the mapped file
     return model.eval()
 
 
 def model_bytes_per_step(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every parameter, except an untied embedding table (one row)."""
-    params = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
+    """Bytes of weights one decode step reads: every parameter and quantized weight buffer, except an untied
+    embedding table (one row)."""
+    import quantize
+    tensors = {id(p): p for p in model.parameters()}
+    for module in model.modules():
+        tensors.update({id(b): b for name, b in module.named_buffers(recurse=False)
+                        if name in ("weight", "scales", "scales_and_zeros")})
+        if isinstance(module, (quantize.MXLinear, quantize.Int4Linear)):  # what a step reads: the runtime copy
+            tensors.pop(id(module.weight))
+            runtime = (module.values, module.block_factors) if isinstance(module, quantize.MXLinear) else (module.packed,)
+            tensors.update({id(t): t for t in runtime})
+        if isinstance(module, quantize.MXLinear):
+            tensors.pop(id(module.scales))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
     if not model.args.tie_embeddings:
         total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
     return total

@@ -2,7 +2,9 @@
 
     python scripts/bench.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --dtype bf16
 
-Rows: this project's compiled decode, its eager decode, and `transformers`' generate on the same weights.
+Rows: this project's compiled decode, its eager decode, and `transformers`' generate on the same weights;
+quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
+is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file).
 Each row gets a warm-up (which for `compiled` is the cold compile, timed with an empty inductor cache), then
 every prompt is run --runs times with exactly --max_new_tokens tokens (EOS ignored). Reported: decode tok/s
 (median; prefill excluded), bytes of weights read per token x tok/s as % of the memory bandwidth this script
@@ -23,7 +25,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
-from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches  # noqa: E402
+import quantize  # noqa: E402
+from generate import (DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches,  # noqa: E402
+                      resolve_checkpoint)
 from model import ModelArgs, Transformer  # noqa: E402
 from speculative import ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -73,7 +77,16 @@ def bench_ours(model, prompts, new_tokens, runs, compiled, drafter=None, k=4):
     return statistics.median(rates), warmup_s, outputs, extra
 
 
+def quantized_path(checkpoint_path, mode):
+    path = resolve_checkpoint(checkpoint_path)[0] / f"model.{mode}.safetensors"
+    if not path.is_file():
+        sys.exit(f"error: {path} not found; run: python quantize.py --checkpoint_path {checkpoint_path} --mode {mode}")
+    return path
+
+
 def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
+    if kind in quantize.MODES:  # a quantized copy of the target: lossless speculation without a second model
+        return ModelDrafter(load_model(quantized_path(checkpoint_path, kind), "cpu", dtype), compile=compiled)
     if kind == "ngram":
         return NgramDrafter()
     if kind == "self":  # the target as its own draft: everything is accepted; measures the overhead
@@ -84,6 +97,31 @@ def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
                                       intermediate_size=128, max_seq_len=8192)).to(dtype).eval()
         return ModelDrafter(draft, compile=compiled)
     sys.exit(f"error: unknown drafter '{kind}'; use self, random or ngram")
+
+
+def bench_llama_cpp(gguf, texts, new_tokens, runs):
+    """llama.cpp (llama-cpp-python) greedy decode on the same prompts, 2 threads, one token per eval."""
+    import llama_cpp
+    llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+
+    def decode(ids, n):
+        llm.reset()
+        llm.eval(ids)
+        t, out = time.perf_counter(), []
+        for _ in range(n):
+            out.append(llm.sample(temp=0.0))
+            llm.eval([out[-1]])
+        return time.perf_counter() - t, out
+
+    t = time.perf_counter()
+    decode(llm.tokenize(texts[0].encode()), 3)
+    warm, rates, outputs = time.perf_counter() - t, [], []
+    for text in texts:
+        for _ in range(runs):
+            seconds, tokens = decode(llm.tokenize(text.encode()), new_tokens)
+            rates.append(new_tokens / seconds)
+        outputs.append(tokens)
+    return statistics.median(rates), warm, outputs
 
 
 @torch.no_grad()
@@ -114,9 +152,12 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt")
     p.add_argument("--rows", default="compiled,eager,hf",
-                   help="comma-separated: compiled, eager, hf, and speculative rows spec-DRAFTER[-K] with DRAFTER "
-                        "in self, random, ngram and K an int or auto (default --speculate_k)")
+                   help="comma-separated: compiled, eager, hf, quant-MODE (CKPT/model.MODE.safetensors, compiled), "
+                        "llama.cpp (with --gguf), and speculative rows spec-DRAFTER[-K] with DRAFTER in self, "
+                        "random, ngram or a quantize.py mode (the target's own quantized file) and K an int or "
+                        "auto (default --speculate_k)")
     p.add_argument("--speculate_k", default="4")
+    p.add_argument("--gguf", help="GGUF file for the optional llama.cpp row (needs llama-cpp-python)")
     p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")
     opts = p.parse_args(argv)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
@@ -138,29 +179,42 @@ def main(argv=None):
     first = reference = None
     spec_lines = []
     for row in opts.rows.split(","):
-        extra = {}
-        if row == "compiled":
+        extra, row_bytes = {}, step_bytes
+        if row.startswith("quant-"):
+            quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype)
+            row_bytes = model_bytes_per_step(quantized)
+            rate, warm, outputs, _ = bench_ours(quantized, prompts, opts.max_new_tokens, opts.runs, compiled=True)
+            del quantized
+        elif row == "llama.cpp":
+            if not opts.gguf:
+                sys.exit("error: the llama.cpp row needs --gguf PATH")
+            texts = [task["prompt"] for task in humaneval_tasks(opts.num_prompts)]
+            rate, warm, outputs = bench_llama_cpp(opts.gguf, texts, opts.max_new_tokens, opts.runs)
+            row_bytes = Path(opts.gguf).stat().st_size
+        elif row == "compiled":
             rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=True)
         elif row == "eager":
             rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=False)
         elif row == "hf":
             rate, warm, outputs, _ = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
         elif row.startswith("spec-"):
-            _, kind, *k = row.split("-")
+            _, kind, *k = row.split("-", 2)
             k = k[0] if k else opts.speculate_k
             k = k if k == "auto" else int(k)
             drafter = make_drafter(kind, opts.checkpoint_path, dtype, model.args.vocab_size, not opts.eager_spec)
             rate, warm, outputs, extra = bench_ours(model, prompts, opts.max_new_tokens, opts.runs,
                                                     compiled=not opts.eager_spec, drafter=drafter, k=k)
         else:
-            sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf, spec-DRAFTER[-K]")
+            sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
+                     "spec-DRAFTER[-K]")
         first = first or rate
         reference = reference or outputs
         same = sum(a == b for a, b in zip(outputs, reference))
         name = {"compiled": "ours, torch.compile", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
-        compiled = row == "compiled" or (row.startswith("spec-") and not opts.eager_spec)
+        compiled = row in ("compiled", "llama.cpp") or row.startswith("quant-") or (row.startswith("spec-") and
+                                                                                     not opts.eager_spec)
         compile_s = f"{warm:.1f}" if compiled else "-"
-        print(f"| {name:<24} | {rate:7.2f} | {100 * step_bytes * rate / 1e9 / bandwidth:10.1f}% | "
+        print(f"| {name:<24} | {rate:7.2f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
               f"{rate / first:7.2f}x | {compile_s:>9} | {same}/{len(outputs)} |", flush=True)
         if extra:
             predicted = expected_speedup(extra["alpha"], extra["c"], extra["k"])

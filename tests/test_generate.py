@@ -78,8 +78,8 @@ def test_top_k_top_p_keep_the_right_tokens():
     torch.testing.assert_close(cold, (logits / 0.5).softmax(-1))
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
+def cli(*args, script="generate.py"):
+    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
 

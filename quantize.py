@@ -148,9 +148,10 @@ class MXLinear(nn.Module):
         return self.values.float() * factors
 
     def forward(self, x):
-        if one_row_compiled(x, self.values):
+        few_rows = x.numel() <= PACKED_KERNEL_MAX_ROWS * x.shape[-1]
+        if few_rows and torch.compiler.is_compiling() and x.device.type == "cpu":  # decode, draft, verify
             y = (x.float().unsqueeze(-2) * self.runtime_weight()).sum(-1)
-        else:  # many rows (prefill, verify, eval): decode this layer into a temporary weight
+        else:  # eager, or many rows (prefill, eval): decode this layer into a temporary weight
             y = F.linear(x.float(), self.runtime_weight())
         y = y if self.bias is None else y + self.bias.float()
         return y.to(x.dtype)

@@ -4,10 +4,10 @@ Writes CKPT/model.MODE.safetensors with the mode in its metadata; generate.py ma
 quantized modules below. Every Linear is quantized, the LM head included (untied from the embedding, which
 stays 16-bit: a decode step reads one row of it).
 
-Dequant is never a separate pass over a full-precision weight in a compiled decode step: int8 and int4 use
-PyTorch's packed CPU kernels (or a fused upcast-multiply-reduce where that measured faster), and MX decodes
-its codes with integer ops inside the product's reduction. Eager calls with many rows (prefill, eval) decode
-one layer at a time into a temporary weight.
+A compiled decode step never materializes a full-precision weight: int8 and int4 use PyTorch's packed CPU
+kernels (or a fused upcast-multiply-reduce where that measured faster), and MX multiplies its load-time
+expanded codes by their block factors inside the product's reduction (see MXLinear for why they are expanded).
+Calls with many rows (prefill, eval) and eager MX calls decode one layer at a time into a temporary weight.
 """
 import argparse
 import os

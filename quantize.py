@@ -26,8 +26,10 @@ MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", 
             "mxint8": "int8"}
 MODES = ("int8", "int4", *MX_MODES)
 INT4_GROUPSIZES = (32, 64, 128, 256)
-# aten's packed int8/int4 CPU kernels are built for a few rows: at 150 rows they took 7x / 18x the time of
-# decoding the layer's weight and calling the GEMM (measured on a 1536 x 576 layer), so longer inputs do that.
+# aten's packed int8/int4 CPU kernels are built for a few rows: on a 1536 x 576 layer at 150 rows they took
+# 95 / 162 ms where decoding the layer's weight and calling the GEMM took 1.8 ms, so longer inputs do that.
+# (At 5-16 rows the decode + GEMM was also 13-25x faster on this layer; the decode step keeps the kernels
+# because there it would write a full-precision weight per layer per step.)
 PACKED_KERNEL_MAX_ROWS = 16
 
 

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from model import InputError, ModelArgs, Transformer
 from tokenizer import Tokenizer
@@ -71,9 +72,10 @@ def map_safetensors(path: Path) -> tuple[dict, dict]:
     return tensors, metadata
 
 
-def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transformer:
+def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=None) -> Transformer:
     """Build on the meta device, then assign the mapped tensors: the weights are never held twice.
-    A file written by quantize.py carries its mode in the metadata and gets quantized modules."""
+    A file written by quantize.py carries its mode in the metadata and gets quantized modules.
+    With a process group (torchrun), tp.py slices the mapped tensors first, so each rank copies only its shard."""
     import quantize
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
     args = ModelArgs.from_config(ckpt_dir / "config.json")
@@ -101,10 +103,12 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transform
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise InputError(f"{weights_path}: unexpected tensor '{unexpected[0]}' (does config.json match?)")
-    state = {name: tensors[name].to(device=device, dtype=dtype if tensors[name].is_floating_point() else None)
-             for name in expected}
-    model.load_state_dict(state, assign=True, strict=False)
+    model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=False)
     model.tie_weights()
+    if tp_group is not None:
+        import tp
+        tp.apply_tp(model, tp_group)
+    model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
     for module in model.modules():
         if isinstance(module, (quantize.Int4Linear, quantize.MXLinear)):
             module.prepare()  # the kernel's runtime layout, built from the mapped file
@@ -217,6 +221,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
     "auto": chosen online by speculative.AdaptiveK).
     """
+    import tp
     from speculative import AdaptiveK, speculative_decode
     adaptive = AdaptiveK() if speculate_k == "auto" else None
     device = model.output.weight.device
@@ -252,7 +257,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
             new = [[t] for t in steps.decode(model, token, pos, temperature, top_k, top_p).tolist()]
             pos += active
         else:
-            k = adaptive.k if adaptive else speculate_k
+            # Under tensor parallelism every rank must verify the same K; timings differ between ranks.
+            k = tp.from_rank0(adaptive.k) if adaptive else speculate_k
             draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, k, steps.verify,
                                                               temperature, top_k, top_p)
             draft_s, verify_s, drafted = draft_s + timing[0], verify_s + timing[1], drafted + k
@@ -376,7 +382,7 @@ def check_options(opts):
         raise InputError(f"--device {opts.device}: not available ({str(e).splitlines()[0]})") from None
 
 
-def make_drafter(opts, tokenizer, dtype, target_args):
+def make_drafter(opts, tokenizer, dtype, target_args, device):
     """The drafter named by the flags, or None. A draft model must share the target's tokenizer."""
     from speculative import ModelDrafter, NgramDrafter
     kind = opts.draft or ("model" if opts.draft_checkpoint else None)
@@ -389,7 +395,7 @@ def make_drafter(opts, tokenizer, dtype, target_args):
     if not tokenizer.same_vocabulary(draft_tokenizer):
         raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
                          f"({tokenizer.path}); speculation needs the same vocabulary")
-    draft = load_model(opts.draft_checkpoint, opts.device, dtype)
+    draft = load_model(opts.draft_checkpoint, device, dtype)  # replicated under tensor parallelism: see tp.py
     if draft.args.vocab_size != target_args.vocab_size:
         raise InputError(f"{draft_dir / 'config.json'}: vocab_size {draft.args.vocab_size} differs from the "
                          f"target's {target_args.vocab_size}; speculation needs the same vocabulary")
@@ -397,18 +403,21 @@ def make_drafter(opts, tokenizer, dtype, target_args):
 
 
 def run(opts):
+    import tp
     check_options(opts)
-    torch.manual_seed(opts.seed)
+    torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
     tokenizer = Tokenizer(ckpt_dir)
+    group, device = tp.init_from_env(opts.device)
+    rank0 = tp.is_rank0()  # only rank 0 prints
     t = time.perf_counter()
-    model = load_model(opts.checkpoint_path, opts.device, DTYPES[opts.dtype])
+    model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group)
     load_s = time.perf_counter() - t
     prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
     prompts = [prompt] * opts.batch_size
-    steps = Steps(opts.compile, opts.compile_prefill, opts.device)
+    steps = Steps(opts.compile, opts.compile_prefill, device)
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
-    drafter = make_drafter(opts, tokenizer, DTYPES[opts.dtype], model.args)
+    drafter = make_drafter(opts, tokenizer, DTYPES[opts.dtype], model.args, device)
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
     presize_caches(model, drafter, len(prompts), len(prompt), opts.max_new_tokens, opts.speculate_k)
@@ -416,12 +425,18 @@ def run(opts):
         t = time.perf_counter()
         generate(model, prompts, 12 if drafter else 3, steps, **sampling, **speculation)
         compile_s = time.perf_counter() - t
-    if not opts.json:
+    if group is not None:
+        held = [None] * dist.get_world_size(group)
+        dist.all_gather_object(held, tp.weight_bytes(model), group=group)
+    if rank0 and not opts.json:
         print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", compiled in {compile_s:.1f} s" if compile_s else ""),
               file=sys.stderr)
+        if group is not None:
+            print(f"tensor parallel over {len(held)} ranks ({dist.get_backend(group)}): weights held per rank "
+                  f"{', '.join(f'{b / 1e6:.1f}' for b in held)} MB", file=sys.stderr)
     step_bytes = model_bytes_per_step(model)
     for sample_idx in range(opts.num_samples):
-        stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json else None
+        stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json and rank0 else None
         if stream:
             print(tokenizer.decode(prompt), end="", flush=True)
         rows, stats = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
@@ -440,11 +455,13 @@ def run(opts):
                           tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
                           prefill_s=round(stats["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
                           compile_s=round(compile_s, 2), batch_size=opts.batch_size, **spec)
+            if not rank0:
+                continue
             if opts.json:
                 print(json.dumps(record), flush=True)
             elif not stream:
                 print(f"--- sample {sample_idx} row {b}\n{tokenizer.decode(prompt)}{record['text']}")
-        if not opts.json:
+        if rank0 and not opts.json:
             print(f"\n[{longest} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
                   f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {stats['prefill_s']:.3f} s]",
                   file=sys.stderr)
@@ -455,11 +472,18 @@ def run(opts):
 
 
 def main(argv=None):
+    import tp
     opts = build_parser().parse_args(argv)
+    error = None
     try:
         run(opts)
-    except InputError as e:
-        sys.exit(f"error: {e}")
+    except InputError as e:  # every rank meets the same bad input, so all of them get here
+        error = f"error: {e}"
+    if error and tp.is_rank0():
+        print(error, file=sys.stderr)
+    tp.finish(1 if error else 0)  # under torchrun the process ends here
+    if error:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

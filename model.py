@@ -121,6 +121,10 @@ def apply_rotary(x, cos, sin, rotary_dim):
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
 
+def no_communication(x):
+    return x
+
+
 class Linear(nn.Linear):
     """nn.Linear with a faster one-row path for 16-bit weights on CPU under torch.compile.
 
@@ -138,6 +142,17 @@ class Linear(nn.Linear):
             y = (x.float().unsqueeze(-2) * w.float()).sum(-1)
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return F.linear(x, w, self.bias)
+
+    # Tensor parallelism (tp.py) keeps a slice of the layer on each rank. Row slices of a mapped file stay views.
+    def select_outputs(self, index):
+        self.weight = nn.Parameter(self.weight[index].contiguous(), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias[index].contiguous(), requires_grad=False)
+        self.out_features = self.weight.shape[0]
+
+    def select_inputs(self, start, stop):
+        self.weight = nn.Parameter(self.weight[:, start:stop].contiguous(), requires_grad=False)
+        self.in_features = self.weight.shape[1]
 
 
 class RMSNorm(nn.Module):
@@ -218,13 +233,16 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
         if not self.parallel:
             self.ffn_norm = make_norm(args)
+        # Tensor parallelism (tp.py) makes this an all-reduce: each rank's attention and MLP outputs are then
+        # partial sums. CodeGen's parallel branches share one.
+        self.reduce = no_communication
 
     def forward(self, x, cos, sin, mask, input_pos):
         if self.parallel:
             h = self.attention_norm(x)
-            return x + self.attention(h, cos, sin, mask, input_pos) + self.feed_forward(h)
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+            return x + self.reduce(self.attention(h, cos, sin, mask, input_pos) + self.feed_forward(h))
+        x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, mask, input_pos))
+        return x + self.reduce(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -237,6 +255,7 @@ class Transformer(nn.Module):
         self.output = Linear(args.dim, args.vocab_size, bias=args.family == "codegen")
         self.tie_weights()
         self.max_batch_size = self.max_seq_len = 0
+        self.gather_logits = no_communication  # tp.py: an all-gather when the LM head is split by vocabulary
 
     def tie_weights(self):
         if self.args.tie_embeddings:
@@ -259,7 +278,6 @@ class Transformer(nn.Module):
         angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        self.register_buffer("cache_positions", torch.arange(max_seq_len, device=device), persistent=False)
 
     def forward(self, tokens, input_pos, logits_idx=None):
         """tokens, input_pos: [B, T]. logits_idx [B, N] (optional): only those positions get logits."""
@@ -267,12 +285,14 @@ class Transformer(nn.Module):
         cos = self.rope_cos[input_pos].unsqueeze(2)  # [B, T, 1, rotary_dim / 2]
         sin = self.rope_sin[input_pos].unsqueeze(2)
         # [B, 1, T, L]: a query at position p sees cache slots 0..p; repeated for the grouped query heads.
-        mask = self.cache_positions <= input_pos[:, None, :, None]
-        groups = self.args.n_heads // self.args.n_kv_heads
-        mask = mask.repeat(1, 1, groups, 1)
+        # L from the cache itself, not from setup_caches: the ONNX export passes caches in as graph inputs.
+        attn = self.layers[0].attention  # the heads held here (all of them, unless tensor parallel)
+        slots = torch.arange(attn.kv_cache.k_cache.shape[2], device=tokens.device)
+        mask = slots <= input_pos[:, None, :, None]
+        mask = mask.repeat(1, 1, attn.n_heads // attn.n_kv_heads, 1)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
-        return self.output(self.norm(x))
+        return self.gather_logits(self.output(self.norm(x)))

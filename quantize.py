@@ -33,6 +33,16 @@ INT4_GROUPSIZES = (32, 64, 128, 256)
 PACKED_KERNEL_MAX_ROWS = 16
 
 
+def select_bias(module, index):
+    if module.bias is not None:
+        module.bias = nn.Parameter(module.bias[index].contiguous(), requires_grad=False)
+
+
+def check_whole_blocks(start, stop, block, what):
+    if start % block or stop % block:
+        raise InputError(f"in_features [{start}, {stop}) would split a {block}-element {what}")
+
+
 def one_row_compiled(x, weight):
     """The decode step's shape: one row, under torch.compile on CPU, where a fused reduction wins."""
     return x.numel() == x.shape[-1] and weight.device.type == "cpu" and torch.compiler.is_compiling()
@@ -60,6 +70,14 @@ class Int8Linear(nn.Module):
 
     def dequantize(self):
         return self.weight.float() * self.scales.float()[:, None]
+
+    # Tensor parallelism (tp.py): a scale belongs to its output row, and covers every input of it.
+    def select_outputs(self, index):
+        self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
+        select_bias(self, index)
+
+    def select_inputs(self, start, stop):
+        self.weight = self.weight[:, start:stop].contiguous()
 
     @staticmethod
     def quantize(w):
@@ -96,6 +114,19 @@ class Int4Linear(nn.Module):
                                                       self.scales_and_zeros.to(x.dtype))
         y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    # Tensor parallelism (tp.py): groups run along in_features and are never split.
+    def select_outputs(self, index):
+        self.weight = self.weight[index].contiguous()
+        self.scales_and_zeros = self.scales_and_zeros[:, index].contiguous()
+        select_bias(self, index)
+        if self.weight.shape[0] % 16:
+            raise InputError(f"{self.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple of 16")
+
+    def select_inputs(self, start, stop):
+        check_whole_blocks(start, stop, self.groupsize, "int4 group")
+        self.weight = self.weight[:, start // 2:stop // 2].contiguous()
+        self.scales_and_zeros = self.scales_and_zeros[start // self.groupsize:stop // self.groupsize].contiguous()
 
     def dequantize(self, codes=None):
         codes = mx.unpack(self.weight if codes is None else codes, 4).float() - 8
@@ -143,6 +174,17 @@ class MXLinear(nn.Module):
             values.append((v * multiple).round().to(torch.int8) if multiple else v.to(torch.bfloat16))
         self.values = torch.cat(values)
         self.block_factors = mx.scale_values(self.scales) / (multiple or 1)
+
+    # Tensor parallelism (tp.py): blocks run along in_features and are never split.
+    def select_outputs(self, index):
+        self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
+        select_bias(self, index)
+
+    def select_inputs(self, start, stop):
+        check_whole_blocks(start, stop, mx.BLOCK, "MX block")
+        bits = self.fmt.bits  # 32 codes fill whole bytes in every format
+        self.weight = self.weight[:, start * bits // 8:stop * bits // 8].contiguous()
+        self.scales = self.scales[:, start // mx.BLOCK:stop // mx.BLOCK].contiguous()
 
     def runtime_weight(self):
         """[N, K] float32 from the expanded codes; fused into the product's reduction when compiled."""

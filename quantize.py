@@ -9,7 +9,6 @@ kernels (or a fused upcast-multiply-reduce where that measured faster), and MX m
 expanded codes by their block factors inside the product's reduction (see MXLinear for why they are expanded).
 Calls with many rows (prefill, eval) and eager MX calls decode one layer at a time into a temporary weight.
 """
-import argparse
 import os
 import sys
 import tempfile

@@ -17,7 +17,6 @@ scripts/run_onnx.py needs), config.json and the tokenizer. Weights stay fp32 her
 and, with --mxfp6, compresses the MatMul weights to MXFP6 E2M3 (-mxfp6-matmul). So export the float checkpoint:
 a quantize.py file is refused.
 """
-import argparse
 import json
 import shutil
 import sys
@@ -32,7 +31,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import quantize  # noqa: E402
-from generate import load_model, resolve_checkpoint  # noqa: E402
+from generate import OneLineErrors, load_model, resolve_checkpoint  # noqa: E402
 from model import InputError, Transformer  # noqa: E402
 
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -216,11 +215,6 @@ def export(opts) -> Path:
           file=sys.stderr)
     print(compile_command(out, opts.mxfp6))
     return out
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message}\n")
 
 
 def build_parser():

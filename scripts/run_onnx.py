@@ -10,7 +10,6 @@ tokens one at a time; the target scores [last, d1..dK] at positions p..p+K in on
 of drafts equal to the target's argmax is accepted, plus the target's next token. The next call starts at
 p + accepted + 1 and overwrites the stale slots.
 """
-import argparse
 import json
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from generate import OneLineErrors  # noqa: E402
 from model import InputError  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -111,7 +111,7 @@ def speculative_greedy(target: ExportedModel, draft: ExportedModel, prompt: list
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineErrors(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="directory written by export_qaic.py --role target")
     p.add_argument("--draft", required=True, help="directory written by export_qaic.py --role draft")
     p.add_argument("--prompt", required=True)

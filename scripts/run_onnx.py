@@ -134,7 +134,7 @@ def main(argv=None):
     if opts.json:
         print(json.dumps(dict(prompt=opts.prompt, tokens=new, text=tokenizer.decode(new), **metrics)))
     else:
-        print(opts.prompt + tokenizer.decode(new))
+        print(opts.prompt + tokenizer.decode(new), flush=True)
         print(f"{metrics['tokens_per_s']:.1f} tok/s under onnxruntime, {metrics['mean_accepted']:.2f} tokens per round "
               f"(K={metrics['speculate_k']}), accept counts {metrics['accept_counts']}", file=sys.stderr)
 

@@ -19,7 +19,7 @@ read, so a KV head shared by two ranks is held by both.
 
 Quantized layers slice themselves (`select_outputs` / `select_inputs` in quantize.py): int8 scales follow
 their rows; int4 groups and MX blocks run along in_features and a row-parallel split must fall on their
-boundaries, else loading stops with an error naming the layer.
+boundaries (and int4 keeps output rows in multiples of 16), else loading stops with an error naming the layer.
 
 Every rank runs the same host loop with the same seed on the same logits (an all-reduce leaves every rank
 the same sum, an all-gather the same logits), so all ranks sample the same tokens without a broadcast.
@@ -144,25 +144,26 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
     per_rank = args.intermediate_size // world
     mlp_rows = slice(rank * per_rank, (rank + 1) * per_rank)
 
-    def row_parallel(name, linear, start, stop):
+    def sliced(name, select, *where):
         try:
-            linear.select_inputs(start, stop)
-        except InputError as e:
-            raise InputError(f"{name}: {e} at {world} ranks; launch with another --nproc_per_node or use a "
-                             "checkpoint quantized with smaller blocks") from None
+            select(*where)
+        except InputError as e:  # a quantized layout that does not split here; name the layer
+            raise InputError(f"{name}: {e} at {world} ranks; launch with another --nproc_per_node or use another "
+                             "quantization mode") from None
+
+    def row_parallel(name, linear, start, stop):
+        sliced(name, linear.select_inputs, start, stop)
         if rank:
             linear.bias = None  # added once, by rank 0, into the all-reduced sum
 
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attention, layer.feed_forward
-        attn.wq.select_outputs(q_rows)
-        attn.wk.select_outputs(kv_rows)
-        attn.wv.select_outputs(kv_rows)
+        for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
+            sliced(f"layers.{i}.attention.{name}", getattr(attn, name).select_outputs, rows)
         row_parallel(f"layers.{i}.attention.wo", attn.wo, q_rows.start, q_rows.stop)
         attn.n_heads, attn.n_kv_heads = len(q_heads), len(kv_heads)
-        mlp.w1.select_outputs(mlp_rows)
-        if mlp.gated:
-            mlp.w3.select_outputs(mlp_rows)
+        for name in ("w1", "w3") if mlp.gated else ("w1",):
+            sliced(f"layers.{i}.feed_forward.{name}", getattr(mlp, name).select_outputs, mlp_rows)
         row_parallel(f"layers.{i}.feed_forward.w2", mlp.w2, mlp_rows.start, mlp_rows.stop)
     split_vocab = args.vocab_size % (16 * world) == 0
     if split_vocab:
@@ -172,7 +173,7 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
         if args.tie_embeddings:
             model.tie_weights()
         else:
-            model.output.select_outputs(vocab_rows)
+            sliced("output", model.output.select_outputs, vocab_rows)
     return split_vocab
 
 

@@ -134,8 +134,16 @@ def test_bad_world_sizes_give_one_line_errors(smollm2, tiny):
     codegen, _ = tiny("codegen_tp")
     model = load_model(weight_files(codegen)["mxfp6"], "cpu", torch.float32)
     with pytest.raises(InputError, match=r"layers.0.attention.wo: in_features \[0, 48\) would split a 32-element "
-                                         r"MX block at 4 ranks"):
+                                         r"MX block at 4 ranks; launch with another "
+                                         r"--nproc_per_node or use another quantization mode"):
         tp.shard(model, 0, 4)
+    with torch.device("meta"):  # int4: aten's kernel needs output rows in multiples of 16; 8 heads of 8 over 8 ranks
+        narrow = Transformer(ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=8, n_kv_heads=8,
+                                       intermediate_size=256))
+        quantize.replace_linears(narrow, "int4", 32)
+    with pytest.raises(InputError, match="layers.0.attention.wq: 8 output features per rank; aten's int4 kernel "
+                                         "needs a multiple of 16 at 8 ranks"):
+        tp.shard(narrow, 0, 8)
     with torch.device("meta"):
         odd_mlp = Transformer(ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4,
                                         intermediate_size=90))

@@ -54,9 +54,10 @@ def verify(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top
 class ModelDrafter:
     """A separate (smaller, or quantized) model proposes tokens with its own static KV cache.
 
-    Each round starts with a 2-token step over [the token before `last`, last]: for a row whose drafts were all
-    accepted this writes the last draft's KV, which the draft never computed; for other rows it rewrites an
-    identical entry. So no row needs special handling and the draft has two static shapes (2 and 1 tokens).
+    A row whose drafts were all accepted lacks the KV of its last draft, which the draft never fed itself. The
+    round after that starts with a 2-token step over [the token before `last`, last] for every row: it writes
+    the missing entry, and rewrites an identical one in the other rows. So no row needs special handling and
+    the draft has two static shapes (2 and 1 tokens); rounds with no catching up pay for one token, not two.
     """
 
     def __init__(self, model, compile=False):
@@ -74,16 +75,21 @@ class ModelDrafter:
     def prefill(self, tokens, input_pos, cache_len):
         self.model.setup_caches(tokens.shape[0], cache_len)
         self.model(tokens, input_pos, input_pos[:, -1:] * 0)  # only the KV cache matters here
+        self.cached_until = None  # each row's prompt is cached; the next round needs no catching up
 
     def propose(self, histories, pos, k, temperature, top_k, top_p):
         device = pos.device
-        pair = torch.tensor([h[-2:] for h in histories], device=device)
-        token, q = self.step(self.model, pair, torch.stack([pos - 1, pos], -1), temperature, top_k, top_p)
+        catch_up = self.cached_until is not None and bool((pos > self.cached_until).any())
+        n = 2 if catch_up else 1
+        first = torch.tensor([h[-n:] for h in histories], device=device)
+        token, q = self.step(self.model, first, pos[:, None] + torch.arange(1 - n, 1, device=device), temperature,
+                             top_k, top_p)
         tokens, qs = [token], [q]
         for i in range(1, k):
             token, q = self.step(self.model, token[:, None].clone(), (pos + i)[:, None], temperature, top_k, top_p)
             tokens.append(token)
             qs.append(q)
+        self.cached_until = pos + k  # this round fed positions pos .. pos + k - 1
         return torch.stack(tokens, 1), None if temperature == 0 else torch.stack(qs, 1)
 
 

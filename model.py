@@ -11,6 +11,7 @@ scores are unchanged by a permutation applied to both q and k.
 """
 import json
 import math
+import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
@@ -127,40 +128,65 @@ def no_communication(x):
 
 # Decode (1 row), draft catch-up (2), verify (K + 1), and small batches of them.
 FEW_ROWS = 16
+few_rows_kernels = None  # whether few_rows.cpp is built and loaded; None: not tried yet
+
+
+def build_few_rows_kernels():
+    """Build few_rows.cpp for this CPU (torch caches the build under ~/.cache/torch_extensions), once per process.
+
+    Without a C++ compiler, products fall back to PyTorch's (slower for a few rows, same results)."""
+    global few_rows_kernels
+    if few_rows_kernels is not None:
+        return few_rows_kernels
+    try:
+        from torch.utils.cpp_extension import load
+        load(name="few_rows", sources=[str(Path(__file__).with_name("few_rows.cpp"))], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as error:  # no compiler, no ninja, unknown flags: run without, and say so once
+        reason = str(error).strip().splitlines()[-1:] or [type(error).__name__]
+        print(f"warning: few_rows.cpp did not build ({reason[0][:200]}); few-row products use PyTorch's "
+              "kernels, slower on CPU", file=sys.stderr)
+        few_rows_kernels = False
+        return False
+    # Shapes for torch.compile, which traces without running the kernels.
+    def rows_by_outputs(x, weight, *factors):
+        return x.new_empty(x.shape[0], weight.shape[0])
+    torch.library.register_fake("few_rows::linear")(rows_by_outputs)
+    torch.library.register_fake("few_rows::int4_linear")(rows_by_outputs)
+    few_rows_kernels = True
+    return True
+
+
+def few_rows(x, device) -> bool:
+    """Whether a product with input x takes few_rows.cpp: at most FEW_ROWS rows, on CPU, once it is built."""
+    return (few_rows_kernels and device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
+            and x.shape[-1] % 16 == 0 and not torch.onnx.is_in_onnx_export())
+
+
+def few_rows_linear(x, weight, factors=None):
+    """x [..., K] @ (weight [N, K] x factors).T in float32, by few_rows.cpp; factors: [N] or [N, K / block]."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    return torch.ops.few_rows.linear(rows, weight, factors).view(*x.shape[:-1], weight.shape[0])
 
 
 def few_rows_compiled(x, device) -> bool:
-    """The shapes for which a compiled CPU step computes products as one fused reduction per row."""
+    """The shapes for which a compiled CPU step writes attention as plain reductions."""
     return x.numel() <= FEW_ROWS * x.shape[-1] and device.type == "cpu" and torch.compiler.is_compiling()
 
 
-def rowwise_linear(x, weight):
-    """x [..., K] @ weight [N, K].T as one reduction per row, for a few rows under torch.compile on CPU.
-
-    `weight` may be an expression (an upcast, a dequantization): inductor fuses it into the loop, so no
-    full-precision weight is written, and it fuses the per-row reductions into one loop that reads each weight
-    once for all rows. The rows are forced into a buffer first: otherwise inductor inlines their producers
-    (RMSNorm, SiLU * up) into the weight loop and recomputes them for every output feature. Measured on the
-    49152 x 576 bf16 LM head: 1 row 2.2 ms (vs 3.0 for F.linear), 5 rows 3.7 ms (vs 11.1).
-    """
-    rows = x.reshape(-1, x.shape[-1]).float()
-    rows = torch.ops.prims.inductor_force_stride_order(rows, rows.stride())
-    y = torch.stack([(row * weight).sum(-1) for row in rows.unbind(0)])
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
 class Linear(nn.Linear):
-    """nn.Linear; a compiled CPU step with a few rows uses `rowwise_linear`.
+    """nn.Linear; a few rows on CPU (decode, draft, verify) go to few_rows.cpp.
 
     Without native bf16 FMA, the CPU GEMM converts bf16 slowly, and at 5 rows (a verify) it costs ~4 one-row
-    steps; the fused reduction reads the weight once for all rows (SmolLM2 bf16, 5 rows: 30 ms vs 75 ms, one
-    row 20 ms). It also gives every row the same arithmetic whatever the number of rows, so a verify computes
-    the logits a decode step would (speculation stays token-identical in bf16). Eager mode keeps F.linear.
+    products; few_rows.cpp reads each weight once for all rows, and gives every row the same arithmetic
+    whatever the number of rows, so a verify computes the logits a decode step would (speculation stays
+    token-identical in bf16). Measured on the 49152 x 576 bf16 LM head, 1 / 5 rows: 2.3 / 4.9 ms (F.linear
+    2.8 / 12.3).
     """
 
     def forward(self, x):
-        if few_rows_compiled(x, self.weight.device):
-            y = rowwise_linear(x, self.weight.float())
+        if few_rows(x, self.weight.device) and self.weight.is_contiguous():
+            y = few_rows_linear(x, self.weight)
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
@@ -296,6 +322,8 @@ class Transformer(nn.Module):
             attn = layer.attention
             attn.kv_cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, self.args.head_dim, dtype, device)
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
+        if device.type == "cpu":
+            build_few_rows_kernels()
         inv_freq = rope_frequencies(self.args, device)
         angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)

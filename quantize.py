@@ -4,11 +4,11 @@ Writes CKPT/model.MODE.safetensors with the mode in its metadata; generate.py ma
 quantized modules below. Every Linear is quantized, the LM head included (untied from the embedding, which
 stays 16-bit: a decode step reads one row of it).
 
-A compiled step with a few rows (decode, verify) never materializes a full-precision weight: int8 and MX fuse
-their dequantization into one reduction per row (model.rowwise_linear; MX from codes expanded at load, see
-MXLinear for why), int4 calls aten's packed CPU kernel (inductor does not vectorize nibble unpacking: 10 ms on
-the 49152 x 576 LM head where the kernel takes 1.0 with bf16 activations). Calls with many rows (prefill,
-eval) and eager MX calls decode one layer at a time into a temporary weight.
+A step with a few rows on CPU (decode, draft, verify) never materializes a full-precision weight: few_rows.cpp
+(see model.py) converts codes to float in registers, int4 from the file's nibbles, int8 with its per-channel
+scale, MX from codes expanded once at load (see MXLinear for why). Calls with many rows (prefill, eval), and
+CPUs where few_rows.cpp could not be built, decode one layer at a time into a temporary weight (int8 and int4
+a few rows at a time through aten's packed kernels).
 """
 import os
 import sys
@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-from model import InputError, few_rows_compiled, rowwise_linear
+import model
+from model import InputError, few_rows, few_rows_linear
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
@@ -53,8 +54,8 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):
-        if few_rows_compiled(x, self.weight.device):  # LM head, 1 / 5 rows: 1.1 / 2.6 ms; packed kernel 1.5 / -
-            y = rowwise_linear(x, self.weight.float()) * self.scales.float()
+        if few_rows(x, self.weight.device):
+            y = few_rows_linear(x, self.weight, self.scales.float())
         elif x.numel() > PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
             y = F.linear(x, self.dequantize().to(x.dtype))
         else:
@@ -83,9 +84,9 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Groupwise asymmetric int4, the layout of aten's CPU kernel: w = (q - 8) * scale + zero per group.
-    On disk: two codes per byte (element 2i in the low nibble) and scales_and_zeros [K/g, N, 2]; the kernel's
-    packed layout is built at load time (`prepare`), a few rows at a time."""
+    """Groupwise asymmetric int4: w = (q - 8) * scale + zero per group. On disk: two codes per byte (element
+    2i in the low nibble) and scales_and_zeros [K/g, N, 2] (aten's layout). few_rows.cpp reads the codes as
+    they are; without it, aten's packed layout is built at load time (`prepare`), a few rows at a time."""
 
     def __init__(self, in_features, out_features, bias=False, groupsize=128):
         super().__init__()
@@ -94,14 +95,22 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2,
                                                              dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed = None
+        self.packed = self.scale_offset = None
 
     def prepare(self):
-        rows = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(mx.unpack(self.weight[i:i + 1024], 4).int(), 1)
-                for i in range(0, self.weight.shape[0], 1024)]
-        self.packed = torch.cat(rows)
+        # few_rows.cpp computes w = code * scale + (zero - 8 * scale), from the file's codes.
+        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        self.scale_offset = torch.stack([scales, zeros - 8 * scales], -1).contiguous()
+        if self.weight.device.type != "cpu" or not model.build_few_rows_kernels():
+            rows = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(mx.unpack(self.weight[i:i + 1024], 4).int(), 1)
+                    for i in range(0, self.weight.shape[0], 1024)]
+            self.packed = torch.cat(rows)
 
     def forward(self, x):
+        if few_rows(x, self.weight.device):
+            rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+            y = torch.ops.few_rows.int4_linear(rows, self.weight, self.scale_offset).view(*x.shape[:-1], -1)
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         if x.numel() > PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
             y = F.linear(x, self.dequantize().to(x.dtype))
             return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -146,11 +155,12 @@ INT8_EXACT = {"fp6_e2m3": 8, "fp4_e2m1": 2, "int8": 64}
 class MXLinear(nn.Module):
     """OCP MX: element codes densely packed along in_features, one E8M0 scale per 32 of them.
 
-    The file keeps the dense packing. On CPU, inductor vectorizes int8 -> float converts but not bit
-    unpacking in int32 or bitcasts (measured on the 49152 x 576 head: int8 convert 2.5 ms, 6-bit field
-    extraction in int32 19 ms, bitcast-built powers of two 27 ms), so `prepare` expands the codes once at
-    load: E2M3, E2M1 and INT8 to exact int8 multiples (value * 8, * 2, * 64), E3M2 and E4M3 to bf16 (exact),
-    with one float32 factor per block. The decode step then reads 8 (or 16) bits per weight plus 1 for scales.
+    The file keeps the dense packing. `prepare` expands the codes once at load: E2M3, E2M1 and INT8 to exact
+    int8 multiples (value * 8, * 2, * 64), E3M2 and E4M3 to bf16 (exact), with one float32 factor per block,
+    which few_rows.cpp multiplies in. A decode step then reads 8 (or 16) bits per weight plus 1 for scales:
+    the file is small, the step is not. (Unpacking 6-bit fields in the step would read less; it was measured
+    slow only in inductor's code, 19 ms on the 49152 x 576 head against 2.5 for an int8 convert, and is
+    not yet written in few_rows.cpp.)
     """
 
     def __init__(self, in_features, out_features, bias=False, fmt="fp6_e2m3"):
@@ -187,8 +197,8 @@ class MXLinear(nn.Module):
         return self.values.float() * factors
 
     def forward(self, x):
-        if few_rows_compiled(x, self.values.device):  # decode, draft, verify
-            y = rowwise_linear(x, self.runtime_weight())
+        if few_rows(x, self.values.device):  # decode, draft, verify
+            y = few_rows_linear(x, self.values, self.block_factors)
         else:  # eager, or many rows (prefill, eval): decode this layer into a temporary weight
             y = F.linear(x.float(), self.runtime_weight())
         y = y if self.bias is None else y + self.bias.float()

@@ -161,6 +161,18 @@ inline void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int
 
 template <int C, class Weight>
 inline void rows(const Weight& weight, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0, float* y) {
+  // 5-8 rows (a verify): one pass over half as many weight rows, 2 x 8 accumulators (15% faster at 5 rows).
+  if (C >= 4 && M > MR && M <= 2 * MR) {
+    for (int64_t half = 0; half < C; half += C / 2) {
+      switch (M) {
+        case 5: tile<5, C / 2>(weight, x, K, N, n0 + half, y); break;
+        case 6: tile<6, C / 2>(weight, x, K, N, n0 + half, y); break;
+        case 7: tile<7, C / 2>(weight, x, K, N, n0 + half, y); break;
+        default: tile<8, C / 2>(weight, x, K, N, n0 + half, y); break;
+      }
+    }
+    return;
+  }
   for (int64_t m = 0; m < M; m += MR) {
     const float* xm = x + m * K;
     float* ym = y + m * N;

@@ -110,7 +110,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         tp.apply_tp(model, tp_group)
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
     for module in model.modules():
-        if isinstance(module, (quantize.Int4Linear, quantize.MXLinear)):
+        if isinstance(module, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
             module.prepare()  # the kernel's runtime layout, built from the mapped file
     return model.eval()
 

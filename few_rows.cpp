@@ -1,11 +1,11 @@
 // Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the 1-16 rows of a decode, draft or verify
-// step, with w stored as bf16, fp32, int8, or int4 (two codes per byte). Built at first use by model.py.
+// step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors). Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts a few weight rows to
 // float once, in registers, and multiplies them into every input row; a row's sum runs in 16 lanes over k in
 // order, then halves in a fixed tree. GCC/Clang vector extensions, compiled with -march=native; the
-// int8/int4/bf16 -> float conversions use AVX-512 or AVX2 intrinsics where present, plain loops elsewhere.
+// int8/bf16 -> float conversions use AVX-512 or AVX2 intrinsics where present, plain loops elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -63,42 +63,19 @@ inline f32x16 bf16_to_float(const uint16_t* p) {
 #endif
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-inline f32x16 bytes_to_float(__m128i b, bool is_signed) {
+inline f32x16 int8_to_float(const int8_t* p) {
 #if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-#else
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
   __m256 half[2];
-  for (int h = 0; h < 2; h++) {
-    __m128i part = h ? _mm_srli_si128(b, 8) : b;
-    half[h] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
-  }
+  for (int h = 0; h < 2; h++)
+    half[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
   f32x16 v;
   std::memcpy(&v, half, sizeof v);
   return v;
-#endif
-}
-#endif
-
-inline f32x16 int8_to_float(const int8_t* p) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  return bytes_to_float(_mm_loadu_si128((const __m128i*)p), true);
 #else
   f32x16 v;
   for (int j = 0; j < L; j++) v[j] = p[j];
-  return v;
-#endif
-}
-
-// 8 bytes of two int4 codes each (element 2i in the low nibble) to 16 floats in element order.
-inline f32x16 int4_to_float(const uint8_t* p) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  __m128i b = _mm_loadl_epi64((const __m128i*)p), nibble = _mm_set1_epi8(15);
-  __m128i low = _mm_and_si128(b, nibble), high = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-  return bytes_to_float(_mm_unpacklo_epi8(low, high), false);  // interleaved back into element order
-#else
-  f32x16 v;
-  for (int j = 0; j < L; j++) v[j] = (p[j / 2] >> (4 * (j % 2))) & 15;
   return v;
 #endif
 }
@@ -120,18 +97,6 @@ struct DenseWeight {
   f32x16 operator()(int64_t n, int64_t k) const {
     f32x16 v = to_float(w + n * K + k);
     return Scaled ? v * factors[n * per_row + (k >> shift)] : v;
-  }
-};
-
-// int4, two codes per byte; w = code * scale + offset per group of 2^shift along k.
-struct Int4Weight {
-  const uint8_t* w;
-  const float* scale_offset;  // [N, K / group, 2]
-  int64_t K, per_row, shift;
-  void prefetch(int64_t n, int64_t k) const { __builtin_prefetch(w + (n * K + k) / 2 + PREFETCH_BYTES); }
-  f32x16 operator()(int64_t n, int64_t k) const {
-    const float* so = scale_offset + 2 * (n * per_row + (k >> shift));
-    return int4_to_float(w + (n * K + k) / 2) * so[0] + so[1];
   }
 };
 
@@ -245,27 +210,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  check_rows(x, K);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "few_rows: packed must be contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.is_contiguous() && scale_offset.dim() == 3 &&
-                  scale_offset.size(0) == N && scale_offset.size(2) == 2,
-              "few_rows: scale_offset must be contiguous float32 [N, K / group, 2]");
-  const int64_t per_row = scale_offset.size(1);
-  return product(Int4Weight{packed.data_ptr<uint8_t>(), scale_offset.data_ptr<float>(), K, per_row,
-                            block_shift(K, per_row, "an int4 group")}, x, N);
-}
-
 }  // namespace
 
 TORCH_LIBRARY(few_rows, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? factors=None) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale_offset) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("linear", &linear);
-  m.impl("int4_linear", &int4_linear);
 }

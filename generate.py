@@ -124,15 +124,11 @@ def model_bytes_per_step(model: Transformer) -> int:
         tensors.update({id(b): b for name, b in module.named_buffers(recurse=False)
                         if name in ("weight", "scales", "scales_and_zeros")})
         if isinstance(module, (quantize.MXLinear, quantize.Int4Linear)):  # what a step reads: the runtime copy
-            if isinstance(module, quantize.MXLinear):  # codes expanded at load, float factors
-                replaced, runtime = (module.weight, module.scales), (module.values, module.block_factors)
-            elif module.packed is None:  # few_rows.cpp: the file's codes, float scales and offsets
-                replaced, runtime = (module.scales_and_zeros,), (module.scale_offset,)
-            else:  # aten's packed layout
-                replaced, runtime = (module.weight,), (module.packed,)
-            for t in replaced:
-                tensors.pop(id(t))
+            tensors.pop(id(module.weight))
+            runtime = (module.values, module.block_factors) if isinstance(module, quantize.MXLinear) else (module.packed,)
             tensors.update({id(t): t for t in runtime})
+        if isinstance(module, quantize.MXLinear):
+            tensors.pop(id(module.scales))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if not model.args.tie_embeddings:
         total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()

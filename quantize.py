@@ -5,10 +5,10 @@ quantized modules below. Every Linear is quantized, the LM head included (untied
 stays 16-bit: a decode step reads one row of it).
 
 A step with a few rows on CPU (decode, draft, verify) never materializes a full-precision weight: few_rows.cpp
-(see model.py) converts codes to float in registers, int4 from the file's nibbles, int8 with its per-channel
-scale, MX from codes expanded once at load (see MXLinear for why). Calls with many rows (prefill, eval), and
-CPUs where few_rows.cpp could not be built, decode one layer at a time into a temporary weight (int8 and int4
-a few rows at a time through aten's packed kernels).
+(see model.py) converts int8 codes to float in registers, times the per-channel scale, and MX codes expanded
+once at load (see MXLinear for why) times their block factors; int4 calls aten's packed CPU kernel. Calls with
+many rows (prefill, eval) decode one layer at a time into a temporary weight; int8 without few_rows.cpp
+calls aten's packed int8 kernel.
 """
 import os
 import sys
@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-import model
 from model import InputError, few_rows, few_rows_linear
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
@@ -89,9 +88,11 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Groupwise asymmetric int4: w = (q - 8) * scale + zero per group. On disk: two codes per byte (element
-    2i in the low nibble) and scales_and_zeros [K/g, N, 2] (aten's layout). few_rows.cpp reads the codes as
-    they are; without it, aten's packed layout is built at load time (`prepare`), a few rows at a time."""
+    """Groupwise asymmetric int4, the layout of aten's CPU kernel: w = (q - 8) * scale + zero per group.
+    On disk: two codes per byte (element 2i in the low nibble) and scales_and_zeros [K/g, N, 2]; the kernel's
+    packed layout is built at load time (`prepare`), a few rows at a time. A few rows go to aten's packed
+    kernel, not few_rows.cpp: its int4 path measured slower at one row (SmolLM2 step 14.4 vs 12.0 ms; it won
+    at 5 rows, 26.5 vs 30.5, but decode and draft steps are one or two rows)."""
 
     def __init__(self, in_features, out_features, bias=False, groupsize=128):
         super().__init__()
@@ -100,22 +101,14 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2,
                                                              dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed = self.scale_offset = None
+        self.packed = None
 
     def prepare(self):
-        # few_rows.cpp computes w = code * scale + (zero - 8 * scale), from the file's codes.
-        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
-        self.scale_offset = torch.stack([scales, zeros - 8 * scales], -1).contiguous()
-        if self.weight.device.type != "cpu" or not model.build_few_rows_kernels():
-            rows = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(mx.unpack(self.weight[i:i + 1024], 4).int(), 1)
-                    for i in range(0, self.weight.shape[0], 1024)]
-            self.packed = torch.cat(rows)
+        rows = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(mx.unpack(self.weight[i:i + 1024], 4).int(), 1)
+                for i in range(0, self.weight.shape[0], 1024)]
+        self.packed = torch.cat(rows)
 
     def forward(self, x):
-        if few_rows(x, self.weight.device):
-            rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-            y = torch.ops.few_rows.int4_linear(rows, self.weight, self.scale_offset).view(*x.shape[:-1], -1)
-            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         if x.numel() > PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
             y = F.linear(x, self.dequantize().to(x.dtype))
             return y if self.bias is None else y + self.bias.to(x.dtype)

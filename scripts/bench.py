@@ -196,7 +196,7 @@ def main(argv=None):
         elif row == "eager":
             rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=False)
         elif row == "hf":
-            rate, warm, outputs, _ = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
+            rate, warm, outputs = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
         elif row.startswith("spec-"):
             _, kind, *k = row.split("-", 2)
             k = k[0] if k else opts.speculate_k

@@ -134,7 +134,7 @@ few_rows_kernels = None  # whether few_rows.cpp is built and loaded; None: not t
 def build_few_rows_kernels():
     """Build few_rows.cpp for this CPU (torch caches the build under ~/.cache/torch_extensions), once per process.
 
-    Without a C++ compiler, products fall back to PyTorch's (slower for a few rows, same results)."""
+    Without a C++ compiler, products fall back to PyTorch's kernels: the same math, slower for a few rows."""
     global few_rows_kernels
     if few_rows_kernels is not None:
         return few_rows_kernels
@@ -180,7 +180,7 @@ class Linear(nn.Linear):
     products; few_rows.cpp reads each weight once for all rows, and gives every row the same arithmetic
     whatever the number of rows, so a verify computes the logits a decode step would (speculation stays
     token-identical in bf16). Measured on the 49152 x 576 bf16 LM head, 1 / 5 rows: 2.3 / 4.9 ms (F.linear
-    2.8 / 12.3).
+    2.8 / 12.3), before 5-8 rows got their own one-pass tile (15% faster).
     """
 
     def forward(self, x):

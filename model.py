@@ -143,8 +143,9 @@ def build_few_rows_kernels():
         load(name="few_rows", sources=[str(Path(__file__).with_name("few_rows.cpp"))], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, unknown flags: run without, and say so once
-        reason = str(error).strip().splitlines()[-1:] or [type(error).__name__]
-        print(f"warning: few_rows.cpp did not build ({reason[0][:200]}); few-row products use PyTorch's "
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        reason = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
+        print(f"warning: few_rows.cpp did not build ({reason[:200]}); few-row products use PyTorch's "
               "kernels, slower on CPU", file=sys.stderr)
         few_rows_kernels = False
         return False

@@ -157,10 +157,12 @@ def build_few_rows_kernels():
     return True
 
 
-def few_rows(x, device) -> bool:
-    """Whether a product with input x takes few_rows.cpp: at most FEW_ROWS rows, on CPU, once it is built."""
-    return (few_rows_kernels and device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
-            and x.shape[-1] % 16 == 0 and not torch.onnx.is_in_onnx_export())
+def few_rows(x, weight) -> bool:
+    """Whether x @ weight.T takes few_rows.cpp: at most FEW_ROWS rows, a contiguous bf16 / fp32 / int8 weight on
+    CPU, once the file is built (fp16 and the ONNX export take PyTorch's kernels)."""
+    return (few_rows_kernels and weight.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
+            and x.shape[-1] % 16 == 0 and weight.dtype in (torch.bfloat16, torch.float32, torch.int8)
+            and weight.is_contiguous() and not torch.onnx.is_in_onnx_export())
 
 
 def few_rows_linear(x, weight, factors=None):
@@ -185,7 +187,7 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x):
-        if few_rows(x, self.weight.device) and self.weight.is_contiguous():
+        if few_rows(x, self.weight):
             y = few_rows_linear(x, self.weight)
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

@@ -58,7 +58,7 @@ class Int8Linear(nn.Module):
         self.scale_factors = self.scales.float()
 
     def forward(self, x):
-        if few_rows(x, self.weight.device):
+        if few_rows(x, self.weight):
             y = few_rows_linear(x, self.weight, self.scale_factors)
         elif x.numel() > PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
             y = F.linear(x, self.dequantize().to(x.dtype))
@@ -195,7 +195,7 @@ class MXLinear(nn.Module):
         return self.values.float() * factors
 
     def forward(self, x):
-        if few_rows(x, self.values.device):  # decode, draft, verify
+        if few_rows(x, self.values):  # decode, draft, verify
             y = few_rows_linear(x, self.values, self.block_factors)
         else:  # many rows (prefill, eval), or no few_rows.cpp: decode this layer into a temporary weight
             y = F.linear(x.float(), self.runtime_weight())

@@ -105,3 +105,19 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name
         for rows in (1, 2, 5):
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
+
+
+def test_fp16_few_row_steps_take_pytorch_kernels(tiny):
+    """few_rows.cpp has no fp16 path: an fp16 model's decode and verify-shaped steps run PyTorch's kernels
+    (they once reached the C++ dtype check and raised) and stay within 0.02 of the fp32 logits."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    logits = {}
+    for dtype in (torch.float16, torch.float32):
+        model = load_model(ckpt, "cpu", dtype)
+        model.setup_caches(1, 64)
+        tokens = torch.tensor([[5, 17, 42, 7, 99]])
+        with torch.no_grad():
+            model(tokens[:, :3], torch.arange(3)[None])
+            logits[dtype] = torch.cat([model(tokens[:, 3:4], torch.tensor([[3]])),  # decode, 1 row
+                                       model(tokens[:, 3:], torch.tensor([[3, 4]]))], 1).float()  # 2 rows
+    torch.testing.assert_close(logits[torch.float16], logits[torch.float32], rtol=0, atol=0.02)

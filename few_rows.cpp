@@ -21,7 +21,32 @@
 namespace {
 
 constexpr int L = 16;  // lanes of one accumulator
-typedef float f32x16 __attribute__((vector_size(64)));
+
+// 16 floats as native vectors: one with AVX-512, two elsewhere. (One 64-byte GCC vector went through memory
+// on AVX2: 4-10x slower.) Lane j is part[j / W][j % W] either way, so the sums do not depend on W.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float native __attribute__((vector_size(4 * W)));
+struct f32x16 {
+  native part[L / W];
+  f32x16& operator+=(const f32x16& b) {
+    for (int h = 0; h < L / W; h++) part[h] += b.part[h];
+    return *this;
+  }
+  f32x16 operator*(const f32x16& b) const {
+    f32x16 r;
+    for (int h = 0; h < L / W; h++) r.part[h] = part[h] * b.part[h];
+    return r;
+  }
+  f32x16 operator*(float s) const {
+    f32x16 r;
+    for (int h = 0; h < L / W; h++) r.part[h] = part[h] * s;
+    return r;
+  }
+};
 
 #if defined(__AVX512F__)
 constexpr int NR = 4;  // weight rows per tile: 4 x 4 accumulators + 4 weights fit 32 registers
@@ -35,49 +60,40 @@ constexpr int64_t PREFETCH_BYTES = 8192;
 
 inline f32x16 load(const float* p) {
   f32x16 v;
-  std::memcpy(&v, p, sizeof v);
+  for (int h = 0; h < L / W; h++) std::memcpy(&v.part[h], p + h * W, sizeof(native));  // one load each
   return v;
 }
 
 // 16 weights to float. The generic vector conversions from 8- and 16-bit integers come out as scalar code
 // (GCC 12), so the usual targets get intrinsics; anything else a plain loop.
 inline f32x16 bf16_to_float(const uint16_t* p) {
+  f32x16 v;
 #if defined(__AVX512F__)
-  return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  v.part[0] = (native)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 #elif defined(__AVX2__)
-  __m256 half[2];
-  for (int h = 0; h < 2; h++) {
-    __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8 * h)));
-    half[h] = _mm256_castsi256_ps(_mm256_slli_epi32(widened, 16));
-  }
-  f32x16 v;
-  std::memcpy(&v, half, sizeof v);
-  return v;
+  for (int h = 0; h < 2; h++)
+    v.part[h] = (native)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8 * h))),
+                                          16);
 #else
-  f32x16 v;
   for (int j = 0; j < L; j++) {
     uint32_t bits = uint32_t(p[j]) << 16;
-    std::memcpy(reinterpret_cast<float*>(&v) + j, &bits, 4);
+    std::memcpy(&v.part[j / W][j % W], &bits, 4);
   }
-  return v;
 #endif
+  return v;
 }
 
 inline f32x16 int8_to_float(const int8_t* p) {
+  f32x16 v;
 #if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  v.part[0] = (native)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 #elif defined(__AVX2__)
-  __m256 half[2];
   for (int h = 0; h < 2; h++)
-    half[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
-  f32x16 v;
-  std::memcpy(&v, half, sizeof v);
-  return v;
+    v.part[h] = (native)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
 #else
-  f32x16 v;
-  for (int j = 0; j < L; j++) v[j] = p[j];
-  return v;
+  for (int j = 0; j < L; j++) v.part[j / W][j % W] = p[j];
 #endif
+  return v;
 }
 
 inline f32x16 to_float(const float* p) { return load(p); }
@@ -102,7 +118,7 @@ struct DenseWeight {
 
 inline float sum_lanes(f32x16 v) {
   float t[L];
-  std::memcpy(t, &v, sizeof t);
+  for (int h = 0; h < L / W; h++) std::memcpy(t + h * W, &v.part[h], sizeof(native));
   for (int width = L / 2; width >= 1; width /= 2)
     for (int j = 0; j < width; j++) t[j] += t[j + width];
   return t[0];

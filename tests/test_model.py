@@ -77,18 +77,14 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
                 torch.testing.assert_close(logits[b, 0], expected[b][n + 4 + step], rtol=0, atol=1e-5)
 
 
-def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic():
-    """few_rows.cpp for each weight layout: within 1e-5 relative of a float64 product of the dequantized weight
-    (float32 accumulation over K = 1536), and a row's result is bit-identical whether it is computed alone or
-    among 2, 5 or 16 rows (what keeps speculative verify equal to decode)."""
-    import model
-    assert model.build_few_rows_kernels(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
+def few_rows_cases():
+    """Each weight layout few_rows.cpp reads: (product of x [M, 1536], the float weight it stands for)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 4-row tile
     w = torch.randn(n, k)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     per_channel, per_block = torch.rand(n) + 0.5, torch.rand(n, k // 32) + 0.5
-    cases = {
+    return torch.randn(16, k), {
         "fp32": (lambda x: torch.ops.few_rows.linear(x, w), w),
         "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float()),
         "bf16 x block": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16(), per_block),
@@ -97,7 +93,20 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
         "int8 x block": (lambda x: torch.ops.few_rows.linear(x, codes, per_block),
                          codes * per_block.repeat_interleave(32, 1)),
     }
-    x = torch.randn(16, k)
+
+
+def few_rows_outputs():
+    x, cases = few_rows_cases()
+    return {(name, rows): product(x[:rows].contiguous()) for name, (product, _) in cases.items() for rows in (1, 5, 16)}
+
+
+def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic():
+    """few_rows.cpp for each weight layout: within 1e-5 relative of a float64 product of the dequantized weight
+    (float32 accumulation over K = 1536), and a row's result is bit-identical whether it is computed alone or
+    among 2, 5 or 16 rows (what keeps speculative verify equal to decode)."""
+    import model
+    assert model.build_few_rows_kernels(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
+    x, cases = few_rows_cases()
     for name, (product, reference) in cases.items():
         expected = x.double() @ reference.double().T
         y = product(x)
@@ -105,6 +114,36 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name
         for rows in (1, 2, 5):
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
+
+
+AVX2_BUILD = """
+import sys, torch
+from torch.utils.cpp_extension import load
+root, out = sys.argv[1:]
+load(name="few_rows_avx2", sources=[root + "/few_rows.cpp"], is_python_module=False,
+     extra_cflags=["-O3", "-march=haswell", "-fopenmp"], extra_ldflags=["-fopenmp"])
+sys.path[:0] = [root, root + "/tests"]
+from test_model import few_rows_outputs
+torch.save(few_rows_outputs(), out)
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="needs an x86 CPU with AVX2")
+def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
+    """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, 2-row tiles) gives the same bits as
+    the build for this CPU (AVX-512 on the development machine), so its AVX2 code is exercised here too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import model
+    assert model.build_few_rows_kernels()
+    out = tmp_path / "avx2.pt"
+    root = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], check=True)
+    avx2, native = torch.load(out), few_rows_outputs()
+    for case, y in native.items():
+        assert torch.equal(avx2[case], y), case
 
 
 def test_fp16_few_row_steps_take_pytorch_kernels(tiny):

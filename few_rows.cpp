@@ -1,5 +1,6 @@
 // Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the 1-16 rows of a decode, draft or verify
-// step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors). Built at first use by model.py.
+// step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors); and those rows' attention
+// over the KV cache. Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts a few weight rows to
@@ -11,9 +12,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -99,6 +102,7 @@ inline f32x16 int8_to_float(const int8_t* p) {
 inline f32x16 to_float(const float* p) { return load(p); }
 inline f32x16 to_float(const uint16_t* p) { return bf16_to_float(p); }
 inline f32x16 to_float(const int8_t* p) { return int8_to_float(p); }
+inline f32x16 to_float(const c10::BFloat16* p) { return bf16_to_float(reinterpret_cast<const uint16_t*>(p)); }
 
 // 16 consecutive weights of row n, from k, as floats: codes of type T, times one factor per block of 2^shift
 // along k when Scaled (shift 62: one per row).
@@ -228,12 +232,79 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
 }
 
+// Attention of a few query rows over the KV cache, each row on its own (the same arithmetic whatever the number
+// of rows, as for the products). q [B, H, R, D]: the R = G * T query rows of KV head h, row i being token i % T
+// at position positions[b, i % T]; k, v [B, H, L, D], the cache; a row attends slots 0..its position (later
+// slots hold padding or rejected drafts, and skipping them changes no bit: exp(-inf) adds exact zeros). Scores,
+// softmax and the weighted sum in float, over slots in order; the output rounded to q's dtype.
+template <class T>
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), cache = k.size(2), tokens = positions.size(1);
+  at::Tensor y = at::empty(q.sizes(), q.options());
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float root = std::sqrt(float(D));
+  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(cache);
+    std::vector<f32x16> query(D / L), out(D / L);
+    for (int64_t row = begin; row < end; row++) {
+      const int64_t b = row / (H * R), head = row / R % H;
+      const int64_t last = std::min(pos[b * tokens + row % R % tokens], cache - 1);
+      const T* keys = kp + (b * H + head) * cache * D;
+      const T* values = vp + (b * H + head) * cache * D;
+      for (int64_t c = 0; c < D / L; c++) query[c] = to_float(qp + row * D + c * L);
+      float top = -INFINITY;
+      for (int64_t slot = 0; slot <= last; slot++) {
+        f32x16 acc = {};
+        for (int64_t c = 0; c < D / L; c++) acc += to_float(keys + slot * D + c * L) * query[c];
+        weights[slot] = sum_lanes(acc) / root;
+        top = std::max(top, weights[slot]);
+      }
+      float total = 0.f;
+      for (int64_t slot = 0; slot <= last; slot++) total += weights[slot] = std::exp(weights[slot] - top);
+      for (int64_t c = 0; c < D / L; c++) out[c] = f32x16{};
+      for (int64_t slot = 0; slot <= last; slot++) {
+        const float weight = weights[slot] / total;
+        for (int64_t c = 0; c < D / L; c++) out[c] += to_float(values + slot * D + c * L) * weight;
+      }
+      for (int64_t c = 0; c < D / L; c++) {
+        float lanes[L];
+        for (int h = 0; h < L / W; h++)
+          for (int j = 0; j < W; j++) lanes[h * W + j] = out[c].part[h][j];
+        for (int j = 0; j < L; j++) yp[row * D + c * L + j] = static_cast<T>(lanes[j]);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+              "few_rows: attention takes contiguous q [B, H, R, D] and k, v [B, H, L, D]");
+  TORCH_CHECK(q.size(3) % L == 0, "few_rows: head dim ", q.size(3), " is not a multiple of ", L);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "few_rows: q, k, v dtypes differ");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2 &&
+                  positions.size(0) == q.size(0) && q.size(2) % positions.size(1) == 0,
+              "few_rows: positions must be contiguous int64 [B, T], T dividing the query rows");
+  switch (q.scalar_type()) {
+    case at::kBFloat16: return attention_rows<c10::BFloat16>(q, k, v, positions);
+    case at::kFloat: return attention_rows<float>(q, k, v, positions);
+    default: TORCH_CHECK(false, "few_rows: attention dtype must be bfloat16 or float32, not ", q.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(few_rows, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? factors=None) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("attention", &attention);
 }

@@ -153,6 +153,7 @@ def build_few_rows_kernels():
     def rows_by_outputs(x, weight, factors=None):
         return x.new_empty(x.shape[0], weight.shape[0])
     torch.library.register_fake("few_rows::linear")(rows_by_outputs)
+    torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
     few_rows_kernels = True
     return True
 
@@ -171,9 +172,11 @@ def few_rows_linear(x, weight, factors=None):
     return torch.ops.few_rows.linear(rows, weight, factors).view(*x.shape[:-1], weight.shape[0])
 
 
-def few_rows_compiled(x, device) -> bool:
-    """The shapes for which a compiled CPU step writes attention as plain reductions."""
-    return x.numel() <= FEW_ROWS * x.shape[-1] and device.type == "cpu" and torch.compiler.is_compiling()
+def few_rows_attention(x, q, k) -> bool:
+    """Whether the attention of q [B, H, R, D] (from x, a few rows) over the cache k takes few_rows.cpp."""
+    return (few_rows_kernels and q.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1] and q.shape[-1] % 16 == 0
+            and q.dtype in (torch.bfloat16, torch.float32) and k.dtype == q.dtype
+            and not torch.onnx.is_in_onnx_export())
 
 
 class Linear(nn.Linear):
@@ -240,12 +243,9 @@ class Attention(nn.Module):
         # folded into the query-length axis, [B, H_kv, G * T, D].
         groups = self.n_heads // self.n_kv_heads
         q = q.transpose(1, 2).reshape(B, self.n_kv_heads, groups * T, hd)
-        if few_rows_compiled(x, q.device):
-            # Plain reductions that inductor fuses, instead of an extern SDPA call per layer; each query row
-            # gets the same arithmetic as in a one-token step.
-            scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) / math.sqrt(hd)
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-            y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)
+        if few_rows_attention(x, q, k):
+            # Each query row by itself, as in a one-token step: a verify attends exactly as decode would.
+            y = torch.ops.few_rows.attention(q.contiguous(), k, v, input_pos.contiguous())
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.view(B, self.n_heads, T, hd).transpose(1, 2).reshape(B, T, self.n_heads * hd)

@@ -12,13 +12,6 @@ import torch
 from generate import logits_to_probs
 
 
-def target_probs(logits, temperature, top_k, top_p):
-    """The target's distribution per position; one-hot argmax when greedy."""
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return logits_to_probs(logits, temperature, top_k, top_p)
-
-
 def accept(draft, q, p, u, noise):
     """The acceptance rule, a pure function.
 
@@ -47,8 +40,14 @@ def accept(draft, q, p, u, noise):
 
 def verify(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p):
     """Target forward over [last, d1..dK] and the acceptance rule: the step compiled once per K."""
-    p = target_probs(model(tokens, input_pos), temperature, top_k, top_p)
-    return accept(draft, q, p, u, noise)
+    logits = model(tokens, input_pos)
+    if temperature == 0:
+        # accept() with one-hot p and q, without building [B, K+1, V] one-hots (0.8 ms a round on SmolLM2):
+        # the prefix where the draft is the argmax, then the argmax after it.
+        best = logits.argmax(-1)
+        n = (draft == best[:, :-1]).long().cumprod(-1).sum(-1)
+        return n, best.gather(1, n[:, None])[:, 0]
+    return accept(draft, q, logits_to_probs(logits, temperature, top_k, top_p), u, noise)
 
 
 class ModelDrafter:

@@ -95,9 +95,20 @@ def few_rows_cases():
     }
 
 
+def attention_inputs(dtype):
+    """q [B, H_kv, G * T, D] (3 query heads per KV head, T = 5 tokens), a 64-slot cache, positions [B, T]."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 3, n, 64).to(dtype) for n in (15, 64, 64))
+    return q, k, v, torch.tensor([[10, 11, 12, 13, 14], [58, 59, 60, 61, 62]])
+
+
 def few_rows_outputs():
     x, cases = few_rows_cases()
-    return {(name, rows): product(x[:rows].contiguous()) for name, (product, _) in cases.items() for rows in (1, 5, 16)}
+    outputs = {(name, rows): product(x[:rows].contiguous()) for name, (product, _) in cases.items()
+               for rows in (1, 5, 16)}
+    for dtype in (torch.float32, torch.bfloat16):
+        outputs["attention", str(dtype)] = torch.ops.few_rows.attention(*attention_inputs(dtype))
+    return outputs
 
 
 def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic():
@@ -116,6 +127,27 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_attention_matches_float64_and_attends_each_row_alone(dtype):
+    """few_rows.cpp's attention over the cache: within float32 rounding (plus, in bf16, the output's rounding,
+    at most 2^-8 relative) of float64 attention with the mask slot <= position, and each token's rows are
+    bit-identical when that token is attended alone (a verify attends as a decode step would)."""
+    import torch.nn.functional as F
+    import model
+    assert model.build_few_rows_kernels()
+    q, k, v, positions = attention_inputs(dtype)
+    y = torch.ops.few_rows.attention(q, k, v, positions)
+    mask = (torch.arange(64) <= positions[:, None, :, None]).repeat(1, 1, 3, 1)
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    bound = expected.abs() * (2**-8 if dtype == torch.bfloat16 else 0) + 1e-5
+    assert ((y.double() - expected).abs() <= bound).all()
+    by_token = y.view(2, 3, 3, 5, 64)
+    for t in range(5):
+        alone = torch.ops.few_rows.attention(q.view(2, 3, 3, 5, 64)[:, :, :, t].contiguous(), k, v,
+                                             positions[:, t:t + 1].contiguous())
+        assert torch.equal(alone, by_token[:, :, :, t]), t
+
+
 AVX2_BUILD = """
 import sys, torch
 from torch.utils.cpp_extension import load
@@ -132,7 +164,7 @@ torch.save(few_rows_outputs(), out)
                     reason="needs an x86 CPU with AVX2")
 def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, 2-row tiles) gives the same bits as
-    the build for this CPU (AVX-512 on the development machine), so its AVX2 code is exercised here too."""
+    the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too."""
     import subprocess
     import sys
     from pathlib import Path

@@ -174,8 +174,8 @@ def few_rows_linear(x, weight, factors=None):
 
 def few_rows_attention(x, q, k) -> bool:
     """Whether the attention of q [B, H, R, D] (from x, a few rows) over the cache k takes few_rows.cpp."""
-    return (few_rows_kernels and q.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1] and q.shape[-1] % 16 == 0
-            and q.dtype in (torch.bfloat16, torch.float32) and k.dtype == q.dtype
+    return (few_rows_kernels and q.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
+            and q.shape[-1] % 16 == 0 and q.dtype in (torch.bfloat16, torch.float32) and k.dtype == q.dtype
             and not torch.onnx.is_in_onnx_export())
 
 

@@ -8,7 +8,7 @@ import torch
 from bench import humaneval_tasks
 from generate import Steps, generate, load_model, logits_to_probs
 from model import ModelArgs, Transformer
-from speculative import ModelDrafter, NgramDrafter, accept
+from speculative import ModelDrafter, NgramDrafter, accept, verify
 from test_generate import cli
 from tokenizer import Tokenizer
 
@@ -54,6 +54,22 @@ def test_greedy_acceptance_and_one_hot_draft():
     assert n.item() == 2 and nxt.item() == 4  # all accepted, bonus token from p_3
     n, _ = accept(torch.tensor([[0, 1]]), None, p, torch.zeros(1, 2), noise)
     assert n.item() == 0  # u = 0 and p = 0: strict < rejects
+
+
+def test_greedy_verify_equals_the_acceptance_rule_with_one_hots():
+    """verify() at temperature 0 skips building one-hots; on random logits (3 rows, K = 4, drafts that partly match
+    the argmax) it returns what accept() returns with one-hot p and q: each row's count and next token."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 5, 50)
+    best = logits.argmax(-1)
+    draft = best[:, :4].clone()
+    draft[0, 0] = (best[0, 0] + 1) % 50  # row 0: nothing accepted; row 1: 2; row 2: all 4, then the bonus
+    draft[1, 2] = (best[1, 2] + 1) % 50
+    noise = torch.empty(3, 50).exponential_(1)
+    n, nxt = verify(lambda tokens, pos: logits, None, None, draft, None, torch.zeros(3, 4), noise, 0, None, None)
+    p = torch.nn.functional.one_hot(best, 50).float()
+    n_ref, nxt_ref = accept(draft, None, p, torch.zeros(3, 4), noise)
+    assert n.tolist() == n_ref.tolist() == [0, 2, 4] and torch.equal(nxt, nxt_ref)
 
 
 def test_ngram_drafter_continues_the_latest_match():

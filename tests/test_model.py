@@ -114,7 +114,7 @@ def few_rows_outputs():
 def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic():
     """few_rows.cpp for each weight layout: within 1e-5 relative of a float64 product of the dequantized weight
     (float32 accumulation over K = 1536), and a row's result is bit-identical whether it is computed alone or
-    among 2, 5 or 16 rows (what keeps speculative verify equal to decode)."""
+    among 2, 3, 5, 8 or 16 rows (what keeps speculative verify equal to decode)."""
     import model
     assert model.build_few_rows_kernels(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
     x, cases = few_rows_cases()
@@ -123,7 +123,7 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
         y = product(x)
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name
-        for rows in (1, 2, 5):
+        for rows in (1, 2, 3, 5, 8):
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
@@ -163,8 +163,8 @@ torch.save(few_rows_outputs(), out)
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="needs an x86 CPU with AVX2")
 def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
-    """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, 2-row tiles) gives the same bits as
-    the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too."""
+    """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, its own tile shapes) gives the same bits
+    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too."""
     import subprocess
     import sys
     from pathlib import Path

@@ -1,6 +1,6 @@
 // Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the 1-16 rows of a decode, draft or verify
-// step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors); and those rows' attention
-// over the KV cache. Built at first use by model.py.
+// step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors) or as int4 nibbles (times
+// a per-group scale plus offset); and those rows' attention over the KV cache. Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts a few weight rows to
@@ -47,6 +47,11 @@ struct f32x16 {
   f32x16 operator*(float s) const {
     f32x16 r;
     for (int h = 0; h < L / W; h++) r.part[h] = part[h] * s;
+    return r;
+  }
+  f32x16 operator+(float s) const {
+    f32x16 r;
+    for (int h = 0; h < L / W; h++) r.part[h] = part[h] + s;
     return r;
   }
 };
@@ -99,28 +104,74 @@ inline f32x16 int8_to_float(const int8_t* p) {
   return v;
 }
 
+// 16 int4 codes from 8 bytes as floats, byte j holding code j in its low nibble and code j + 8 in its high one.
+__attribute__((always_inline)) inline f32x16 nibbles_to_float(const uint8_t* p) {
+  f32x16 v;
+#if defined(__AVX2__)
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+#if defined(__AVX512F__)
+  v.part[0] = (native)_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+#else
+  v.part[0] = (native)lo;
+  v.part[1] = (native)hi;
+#endif
+#else
+  for (int j = 0; j < 8; j++) {
+    v.part[j / W][j % W] = p[j] & 15;
+    v.part[(j + 8) / W][(j + 8) % W] = p[j] >> 4;
+  }
+#endif
+  return v;
+}
+
 inline f32x16 to_float(const float* p) { return load(p); }
 inline f32x16 to_float(const uint16_t* p) { return bf16_to_float(p); }
 inline f32x16 to_float(const int8_t* p) { return int8_to_float(p); }
 inline f32x16 to_float(const c10::BFloat16* p) { return bf16_to_float(reinterpret_cast<const uint16_t*>(p)); }
 
-// 16 consecutive weights of row n, from k, as floats: codes of type T, times one factor per block of 2^shift
-// along k (Blocks). One factor per row (Rows) multiplies the row's finished sums instead: a multiply per output,
-// not per 16 weights (int8 products 5-10% faster).
+// A weight matrix hands out rows; row(k) gives the 16 weights from k as floats. Codes of type T, times one
+// factor per block of 2^shift along k (Blocks). One factor per row (Rows) multiplies the row's finished sums
+// instead: a multiply per output, not per 16 weights (int8 products 5-10% faster).
 enum Factors { None, Blocks, Rows };
 template <class T, Factors F>
 struct DenseWeight {
   const T* w;
   const float* factors;
   int64_t K, per_row, shift;
-  void prefetch(int64_t n, int64_t k) const {
-    __builtin_prefetch(reinterpret_cast<const char*>(w + n * K + k) + PREFETCH_BYTES);
-  }
-  f32x16 operator()(int64_t n, int64_t k) const {
-    f32x16 v = to_float(w + n * K + k);
-    return F == Blocks ? v * factors[n * per_row + (k >> shift)] : v;
-  }
-  float finish(int64_t n, float sum) const { return F == Rows ? sum * factors[n] : sum; }
+  struct Row {
+    const T* w;
+    const float* factors;
+    int64_t shift;
+    void prefetch(int64_t k) const { __builtin_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES); }
+    __attribute__((always_inline)) f32x16 operator()(int64_t k) const {
+      f32x16 v = to_float(w + k);
+      return F == Blocks ? v * factors[k >> shift] : v;
+    }
+    float finish(float sum) const { return F == Rows ? sum * factors[0] : sum; }
+  };
+  Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
+};
+
+// Groupwise int4 (Int4Linear): w = q * scale + offset, offset = zero - 8 * scale. Codes in the order
+// nibbles_to_float reads, K / 2 bytes per row; per group of 2^shift along k the float pair (scale, offset).
+struct Int4Weight {
+  const uint8_t* w;
+  const float* groups;
+  int64_t K, per_row, shift;
+  struct Row {
+    const uint8_t* w;
+    const float* groups;
+    int64_t shift;
+    void prefetch(int64_t k) const { __builtin_prefetch(w + (k >> 1) + PREFETCH_BYTES); }
+    __attribute__((always_inline)) f32x16 operator()(int64_t k) const {
+      const float* group = groups + 2 * (k >> shift);
+      return nibbles_to_float(w + (k >> 1)) * group[0] + group[1];
+    }
+    float finish(float sum) const { return sum; }
+  };
+  Row row(int64_t n) const { return {w + n * (K >> 1), groups + 2 * n * per_row, shift}; }
 };
 
 // Inlined by force: as a call, the struct argument made GCC keep the accumulators on the stack during the
@@ -133,20 +184,28 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
   return t[0];
 }
 
+// Not inlined: inlined into product's parallel loop, GCC kept the accumulators on the stack, a store and a load
+// in every FMA chain (measured no slower on Zen 3, whose memory renaming hides that round trip; not every CPU
+// has it). The explicit zeroing, unlike `= {}`, does not clear a stack copy with `rep stos` at every call.
 template <int R, int C, class Weight>
-inline void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n0, float* y) {
-  f32x16 acc[R][C] = {};
+__attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n0, float* y) {
+  f32x16 acc[R][C];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++)
+      for (int h = 0; h < L / W; h++) acc[r][c].part[h] = native{};
+  decltype(weight.row(0)) row[C];
+  for (int c = 0; c < C; c++) row[c] = weight.row(n0 + c);
   for (int64_t k = 0; k < K; k += L) {
     f32x16 w[C];
-    for (int c = 0; c < C; c++) w[c] = weight(n0 + c, k);
-    for (int c = 0; c < C; c++) weight.prefetch(n0 + c, k);
+    for (int c = 0; c < C; c++) w[c] = row[c](k);
+    for (int c = 0; c < C; c++) row[c].prefetch(k);
     for (int r = 0; r < R; r++) {
       f32x16 xv = load(x + r * K + k);
       for (int c = 0; c < C; c++) acc[r][c] += xv * w[c];
     }
   }
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) y[r * N + n0 + c] = weight.finish(n0 + c, sum_lanes(acc[r][c]));
+    for (int c = 0; c < C; c++) y[r * N + n0 + c] = row[c].finish(sum_lanes(acc[r][c]));
 }
 
 // One pass of R = 1..7 input rows over weight row n.
@@ -255,14 +314,26 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<a
                                         block_shift(K, per_row, "factors")}, x, N);
 }
 
+at::Tensor int4(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& groups) {
+  const int64_t N = w.size(0), K = 2 * w.size(1);
+  check_rows(x, K);
+  TORCH_CHECK(groups && groups->scalar_type() == at::kFloat && groups->is_contiguous() && groups->dim() == 3 &&
+                  groups->size(0) == N && groups->size(2) == 2,
+              "few_rows: int4 codes need float32 [N, K / group, 2] (scale, offset) factors");
+  return product(Int4Weight{w.data_ptr<uint8_t>(), groups->data_ptr<float>(), K, groups->size(1),
+                            block_shift(K, groups->size(1), "int4 groups")}, x, N);
+}
+
+// x [M, K] @ w.T; w [N, K] (bf16, fp32, int8 times factors) or uint8 [N, K / 2] (int4 codes, see Int4Weight).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
-  check_rows(x, w.size(1));
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "few_rows: weight must be contiguous [N, K]");
+  if (w.scalar_type() == at::kByte) return int4(x, w, factors);
+  check_rows(x, w.size(1));
   switch (w.scalar_type()) {
     case at::kBFloat16: return dense<uint16_t>(x, w, factors);
     case at::kFloat: return dense<float>(x, w, factors);
     case at::kChar: return dense<int8_t>(x, w, factors);
-    default: TORCH_CHECK(false, "few_rows: weight dtype must be bfloat16, float32 or int8, not ", w.scalar_type());
+    default: TORCH_CHECK(false, "few_rows: weight dtype must be bfloat16, float32, int8 or uint8 (int4), not ", w.scalar_type());
   }
 }
 

@@ -159,10 +159,10 @@ def build_few_rows_kernels():
 
 
 def few_rows(x, weight) -> bool:
-    """Whether x @ weight.T takes few_rows.cpp: at most FEW_ROWS rows, a contiguous bf16 / fp32 / int8 weight on
-    CPU, once the file is built (fp16 and the ONNX export take PyTorch's kernels)."""
+    """Whether x @ weight.T takes few_rows.cpp: at most FEW_ROWS rows, a contiguous bf16 / fp32 / int8 weight (or
+    uint8 int4 nibbles) on CPU, once the file is built (fp16 and the ONNX export take PyTorch's kernels)."""
     return (few_rows_kernels and weight.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
-            and x.shape[-1] % 16 == 0 and weight.dtype in (torch.bfloat16, torch.float32, torch.int8)
+            and x.shape[-1] % 16 == 0 and weight.dtype in (torch.bfloat16, torch.float32, torch.int8, torch.uint8)
             and weight.is_contiguous() and not torch.onnx.is_in_onnx_export())
 
 

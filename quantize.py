@@ -5,10 +5,10 @@ quantized modules below. Every Linear is quantized, the LM head included (untied
 stays 16-bit: a decode step reads one row of it).
 
 A step with a few rows on CPU (decode, draft, verify) never materializes a full-precision weight: few_rows.cpp
-(see model.py) converts int8 codes to float in registers, times the per-channel scale, and MX codes expanded
-once at load (see MXLinear for why) times their block factors; int4 calls aten's packed CPU kernel. Calls with
-many rows (prefill, eval) decode one layer at a time into a temporary weight; int8 without few_rows.cpp
-calls aten's packed int8 kernel.
+(see model.py) converts int8 and int4 codes to float in registers, times the per-channel scale or the group's
+scale and offset, and MX codes expanded once at load (see MXLinear for why) times their block factors. Calls
+with many rows (prefill, eval) decode one layer at a time into a temporary weight; int8 and int4 without
+few_rows.cpp call aten's packed kernels.
 """
 import os
 import sys
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-from model import InputError, few_rows, few_rows_linear
+from model import InputError, build_few_rows_kernels, few_rows, few_rows_linear
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
@@ -87,12 +87,25 @@ class Int8Linear(nn.Module):
         return {"weight": q, "scales": scales}
 
 
+def int4_runtime(codes, scales_and_zeros):
+    """few_rows.cpp's int4 layout from the file's: codes [N, K] (0..15) with byte j of each 16 holding code j
+    in its low nibble and code j + 8 in its high one (two bit operations put them in 32-bit lanes in order),
+    and float32 (scale, zero - 8 * scale) per group [N, K / g, 2], so that w = q * scale + offset is one FMA."""
+    n, k = codes.shape
+    halves = codes.view(n, k // 16, 2, 8)
+    nibbles = (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(n, k // 2)
+    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)
+    return nibbles, torch.stack([scales, zeros - 8 * scales], -1).contiguous()
+
+
 class Int4Linear(nn.Module):
     """Groupwise asymmetric int4, the layout of aten's CPU kernel: w = (q - 8) * scale + zero per group.
-    On disk: two codes per byte (element 2i in the low nibble) and scales_and_zeros [K/g, N, 2]; the kernel's
-    packed layout is built at load time (`prepare`), a few rows at a time. A few rows go to aten's packed
-    kernel, not few_rows.cpp: its int4 path measured slower at one row (SmolLM2 step 14.4 vs 12.0 ms; it won
-    at 5 rows, 26.5 vs 30.5, but decode and draft steps are one or two rows)."""
+    On disk: two codes per byte (element 2i in the low nibble) and scales_and_zeros [K/g, N, 2]. At load
+    (`prepare`, a few rows at a time) the codes are rearranged for few_rows.cpp, which takes a few rows
+    (decode, draft, verify) reading 4 bits + 64 / g per weight; without it, aten's packed kernel. Measured
+    over SmolLM2's 211 products (g = 32, 2 threads): 7.9 / 15.8 ms at 1 / 5 rows, like the int8 layouts
+    (the 4-bit expansion costs what the bytes saved bring on 2 AVX2 cores); aten's kernel took 14.4 ms
+    for a whole 1-row step and a verify at 5 rows cost it 2.3 decode steps."""
 
     def __init__(self, in_features, out_features, bias=False, groupsize=128):
         super().__init__()
@@ -101,20 +114,27 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2,
                                                              dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed = None
+        self.nibbles = self.group_factors = self.packed = None
 
-    def prepare(self):
-        rows = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(mx.unpack(self.weight[i:i + 1024], 4).int(), 1)
-                for i in range(0, self.weight.shape[0], 1024)]
-        self.packed = torch.cat(rows)
+    def prepare(self, rows=1024):
+        chunks = range(0, self.weight.shape[0], rows)
+        if build_few_rows_kernels():
+            layouts = [int4_runtime(mx.unpack(self.weight[i:i + rows], 4), self.scales_and_zeros[:, i:i + rows])
+                       for i in chunks]
+            self.nibbles, self.group_factors = (torch.cat(t) for t in zip(*layouts))
+        else:
+            self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                mx.unpack(self.weight[i:i + rows], 4).int(), 1) for i in chunks])
 
     def forward(self, x):
-        if x.numel() > PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
+        if self.nibbles is not None and few_rows(x, self.nibbles):
+            y = few_rows_linear(x, self.nibbles, self.group_factors).to(x.dtype)
+        elif self.packed is not None and x.numel() <= PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, self.groupsize,
+                                                          self.scales_and_zeros.to(x.dtype))
+            y = y.view(*x.shape[:-1], -1)
+        else:
             y = F.linear(x, self.dequantize().to(x.dtype))
-            return y if self.bias is None else y + self.bias.to(x.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, self.groupsize,
-                                                      self.scales_and_zeros.to(x.dtype))
-        y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     # Tensor parallelism (tp.py): groups run along in_features and are never split.

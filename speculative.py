@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from generate import logits_to_probs
+from generate import CompiledStep, logits_to_probs
 
 
 def accept(draft, q, p, u, noise):
@@ -61,7 +61,7 @@ class ModelDrafter:
 
     def __init__(self, model, compile=False):
         self.model = model
-        self.step = torch.compile(self._step, fullgraph=True) if compile else self._step
+        self.step = CompiledStep(self._step) if compile else self._step
 
     @staticmethod
     def _step(model, tokens, input_pos, temperature, top_k, top_p):

@@ -214,6 +214,6 @@ def weight_bytes(model: Transformer) -> int:
     storage counted once (a tied head shares the embedding's)."""
     tensors = list(model.state_dict(keep_vars=True).values())
     for module in model.modules():
-        runtime = ("packed", "scale_factors", "values", "block_factors")
+        runtime = ("packed", "nibbles", "group_factors", "scale_factors", "values", "block_factors")
         tensors += [t for t in (getattr(module, name, None) for name in runtime) if isinstance(t, torch.Tensor)]
     return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}.values())

@@ -84,6 +84,11 @@ def few_rows_cases():
     w = torch.randn(n, k)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     per_channel, per_block = torch.rand(n) + 0.5, torch.rand(n, k // 32) + 0.5
+    import quantize
+    int4 = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.stack([torch.rand(k // 64, n) + 0.5, torch.randn(k // 64, n)], -1).bfloat16()
+    nibbles, group_factors = quantize.int4_runtime(int4, scales_and_zeros)
+    scale, offset = (t.repeat_interleave(64, 1) for t in group_factors.unbind(-1))
     return torch.randn(16, k), {
         "fp32": (lambda x: torch.ops.few_rows.linear(x, w), w),
         "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float()),
@@ -92,6 +97,7 @@ def few_rows_cases():
         "int8 x channel": (lambda x: torch.ops.few_rows.linear(x, codes, per_channel), codes * per_channel[:, None]),
         "int8 x block": (lambda x: torch.ops.few_rows.linear(x, codes, per_block),
                          codes * per_block.repeat_interleave(32, 1)),
+        "int4 x group": (lambda x: torch.ops.few_rows.linear(x, nibbles, group_factors), int4 * scale + offset),
     }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import InputError, ModelArgs, Transformer
+from model import InputError, ModelArgs, Transformer, build_few_rows_kernels
 from tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -114,6 +114,8 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     for module in model.modules():
         if isinstance(module, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
             module.prepare()  # the kernel's runtime layout, built from the mapped file
+    if model.tok_embeddings.weight.device.type == "cpu" and build_few_rows_kernels():
+        model.fuse_products()
     return model.eval()
 
 

@@ -195,6 +195,13 @@ class Linear(nn.Linear):
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
+    # FusedProducts: what few_rows.cpp multiplies, and pointing the layer at its rows of a fused copy.
+    def few_rows_operands(self):
+        return (self.weight, None) if self.weight.dtype in (torch.bfloat16, torch.float32) else None
+
+    def use_operands(self, weight, factors):
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
     # Tensor parallelism (tp.py) keeps a slice of the layer on each rank. Row slices of a mapped file stay views.
     def select_outputs(self, index):
         self.weight = nn.Parameter(self.weight[index].contiguous(), requires_grad=False)
@@ -205,6 +212,46 @@ class Linear(nn.Linear):
     def select_inputs(self, start, stop):
         self.weight = nn.Parameter(self.weight[:, start:stop].contiguous(), requires_grad=False)
         self.in_features = self.weight.shape[1]
+
+
+class FusedProducts(nn.Module):
+    """Layers that read the same input (q/k/v, gate/up) as one few_rows.cpp call over their weights stacked
+    by output rows, then split: SmolLM2's 211 products a step become 121. Measured over its int8 products (2
+    threads, same process): 10.1 -> 9.7 ms at 1 row, 17.9 -> 15.8 at 5 (a pass over 3-7 rows parallelizes
+    better over more output rows). Every output is the same sum as in its own layer, so the bits do not change.
+    The layers keep their parameters, now views into the stacked copy; other inputs (prefill, the ONNX
+    export) still go through them one by one."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers  # a plain list: the layers stay where the state dict has them
+        operands = [layer.few_rows_operands() for layer in layers]
+        self.weight = torch.cat([w for w, _ in operands])
+        self.factors = None if operands[0][1] is None else torch.cat([f for _, f in operands])
+        self.bias = None if layers[0].bias is None else torch.cat([layer.bias.float() for layer in layers])
+        self.sizes = [w.shape[0] for w, _ in operands]
+        start = 0
+        for layer, size in zip(layers, self.sizes):
+            layer.use_operands(self.weight[start:start + size],
+                               None if self.factors is None else self.factors[start:start + size])
+            start += size
+
+    @staticmethod
+    def fusable(layers) -> bool:
+        operands = [layer.few_rows_operands() for layer in layers]
+        if any(o is None for o in operands) or len({type(layer) for layer in layers}) > 1:
+            return False
+        (w0, f0), b0 = operands[0], layers[0].bias is None
+        return all(w.dtype == w0.dtype and w.shape[1:] == w0.shape[1:] and (f is None) == (f0 is None) and
+                   (f is None or f.shape[1:] == f0.shape[1:]) and (layer.bias is None) == b0
+                   for (w, f), layer in zip(operands, layers))
+
+    def forward(self, x):
+        if not few_rows(x, self.weight):
+            return [layer(x) for layer in self.layers]
+        y = few_rows_linear(x, self.weight, self.factors)
+        y = (y if self.bias is None else y + self.bias).to(x.dtype)
+        return y.split(self.sizes, -1)
 
 
 class RMSNorm(nn.Module):
@@ -228,6 +275,7 @@ class Attention(nn.Module):
         self.wk = Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wv = Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wo = Linear(args.n_heads * hd, args.dim, bias=False)
+        self.wqkv = None  # FusedProducts of wq, wk, wv (Transformer.fuse_products)
         self.kv_cache = None
         # Set by tensor parallelism to the heads held by this rank.
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
@@ -235,9 +283,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
         hd, r = self.args.head_dim, self.args.rotary_dim
-        q = apply_rotary(self.wq(x).view(B, T, self.n_heads, hd), cos, sin, r)
-        k = apply_rotary(self.wk(x).view(B, T, self.n_kv_heads, hd), cos, sin, r)
-        v = self.wv(x).view(B, T, self.n_kv_heads, hd)
+        q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q = apply_rotary(q.view(B, T, self.n_heads, hd), cos, sin, r)
+        k = apply_rotary(k.view(B, T, self.n_kv_heads, hd), cos, sin, r)
+        v = v.view(B, T, self.n_kv_heads, hd)
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, L, D]
         # Grouped-query attention without repeating the cache: the G query heads that share a KV head are
         # folded into the query-length axis, [B, H_kv, G * T, D].
@@ -261,10 +310,12 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.intermediate_size, args.dim, bias=bias)
         if self.gated:
             self.w3 = Linear(args.dim, args.intermediate_size, bias=False)
+        self.w13 = None  # FusedProducts of w1, w3 (Transformer.fuse_products)
 
     def forward(self, x):
         if self.gated:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = self.w13(x) if self.w13 is not None else (self.w1(x), self.w3(x))
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -310,6 +361,15 @@ class Transformer(nn.Module):
     def tie_weights(self):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def fuse_products(self):
+        """One few_rows.cpp call for q/k/v and one for gate/up (FusedProducts) in each layer whose parts allow it."""
+        for layer in self.layers:
+            attention, mlp = layer.attention, layer.feed_forward
+            if FusedProducts.fusable([attention.wq, attention.wk, attention.wv]):
+                attention.wqkv = FusedProducts([attention.wq, attention.wk, attention.wv])
+            if mlp.gated and FusedProducts.fusable([mlp.w1, mlp.w3]):
+                mlp.w13 = FusedProducts([mlp.w1, mlp.w3])
 
     def setup_caches(self, batch_size: int, max_seq_len: int):
         """Allocate the static KV cache once; a request that fits the current cache reuses it."""

@@ -71,6 +71,12 @@ class Int8Linear(nn.Module):
     def dequantize(self):
         return self.weight.float() * self.scales.float()[:, None]
 
+    def few_rows_operands(self):  # model.FusedProducts
+        return self.weight, self.scale_factors
+
+    def use_operands(self, weight, factors):
+        self.weight, self.scale_factors = weight, factors
+
     # Tensor parallelism (tp.py): a scale belongs to its output row, and covers every input of it.
     def select_outputs(self, index):
         self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
@@ -126,9 +132,16 @@ class Int4Linear(nn.Module):
             self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 mx.unpack(self.weight[i:i + rows], 4).int(), 1) for i in chunks])
 
+    def few_rows_operands(self):  # model.FusedProducts
+        return None if self.nibbles is None else (self.nibbles, self.group_factors)
+
+    def use_operands(self, nibbles, group_factors):
+        self.nibbles, self.group_factors = nibbles, group_factors
+
     def forward(self, x):
         if self.nibbles is not None and few_rows(x, self.nibbles):
-            y = few_rows_linear(x, self.nibbles, self.group_factors).to(x.dtype)
+            y = few_rows_linear(x, self.nibbles, self.group_factors)
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         elif self.packed is not None and x.numel() <= PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, self.groupsize,
                                                           self.scales_and_zeros.to(x.dtype))
@@ -215,6 +228,12 @@ class MXLinear(nn.Module):
         """[N, K] float32 from the expanded codes; fused into the product's reduction when compiled."""
         factors = self.block_factors.repeat_interleave(mx.BLOCK, -1)
         return self.values.float() * factors
+
+    def few_rows_operands(self):  # model.FusedProducts
+        return self.values, self.block_factors
+
+    def use_operands(self, values, block_factors):
+        self.values, self.block_factors = values, block_factors
 
     def forward(self, x):
         if few_rows(x, self.values):  # decode, draft, verify

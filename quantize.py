@@ -210,8 +210,8 @@ class MXLinear(nn.Module):
     def prepare(self, rows=256):
         fmt, multiple = self.fmt, INT8_EXACT.get(self.fmt.name)
         n, k = self.weight.shape[0], self.scales.shape[1] * mx.BLOCK
-        # Filled in place a few rows at a time: no full float32 copy, and no result chunks interleaved with
-        # freed temporaries on the heap (concatenated chunks left SmolLM2 mxfp6 at +462 MiB after loading, +388 this way).
+        # Filled in place a few rows at a time: no full float32 copy, and no result chunks interleaved with freed
+        # temporaries on the heap (concatenated chunks left SmolLM2 mxfp6 at +462 MiB after loading, +388 this way).
         self.values = torch.empty(n, k, dtype=torch.int8 if multiple else torch.bfloat16)
         for i in range(0, n, rows):
             v = mx.decode_elements(mx.unpack(self.weight[i:i + rows], fmt.bits), fmt)

@@ -142,3 +142,14 @@ def test_cli_bad_input_gives_one_line_errors(tiny, tmp_path):
     assert_one_line_error(cli("--checkpoint_path", str(broken)), "model.safetensors", "corrupt")
     (broken / "tokenizer.json").unlink()
     assert_one_line_error(cli("--checkpoint_path", str(broken)), "no tokenizer.json")
+
+
+def test_a_compiled_step_refuses_a_second_model():
+    """CompiledStep drops dynamo's module guards, which is sound only while one model reaches its graphs."""
+    import weakref
+    from generate import CompiledStep, decode_one_token
+    first, second = tiny_model(), tiny_model()
+    step = CompiledStep(decode_one_token)
+    step.model = weakref.ref(first)  # as after a first call, without compiling
+    with pytest.raises(ValueError, match="serves another model"):
+        step(second, torch.tensor([1]), torch.tensor([0]), 0.0, None, None)

@@ -174,8 +174,10 @@ def speculative_decode(model, drafter, histories, pos, k, verify_step, temperatu
     last = torch.tensor([h[-1] for h in histories], device=pos.device)
     tokens = torch.cat([last[:, None], draft], 1)
     input_pos = pos[:, None] + torch.arange(k + 1, device=pos.device)
-    u = torch.rand(draft.shape, device=pos.device)
-    noise = torch.empty(draft.shape[0], model.args.vocab_size, device=pos.device).exponential_(1)
+    u = noise = None  # greedy acceptance draws nothing
+    if temperature != 0:
+        u = torch.rand(draft.shape, device=pos.device)
+        noise = torch.empty(draft.shape[0], model.args.vocab_size, device=pos.device).exponential_(1)
     t1 = time.perf_counter()
     n, next_token = verify_step(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p)
     n.tolist()

@@ -111,11 +111,15 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         import tp
         tp.apply_tp(model, tp_group)
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
-    for module in model.modules():
-        if isinstance(module, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
-            module.prepare()  # the kernel's runtime layout, built from the mapped file
-    if model.tok_embeddings.weight.device.type == "cpu" and build_few_rows_kernels():
-        model.fuse_products()
+    # The kernels' runtime layouts, built from the mapped file layer by layer: what fusing a layer frees is then
+    # reused by the next layer's layouts instead of staying behind as heap holes (+21 MiB int4, +25 mxfp6).
+    fuse = model.tok_embeddings.weight.device.type == "cpu" and build_few_rows_kernels()
+    for part in [*model.layers, model.output]:
+        for module in part.modules():
+            if isinstance(module, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
+                module.prepare()
+        if fuse and part is not model.output:
+            part.fuse_products()
     return model.eval()
 
 

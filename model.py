@@ -275,7 +275,7 @@ class Attention(nn.Module):
         self.wk = Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wv = Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wo = Linear(args.n_heads * hd, args.dim, bias=False)
-        self.wqkv = None  # FusedProducts of wq, wk, wv (Transformer.fuse_products)
+        self.wqkv = None  # FusedProducts of wq, wk, wv (Block.fuse_products)
         self.kv_cache = None
         # Set by tensor parallelism to the heads held by this rank.
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
@@ -310,7 +310,7 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.intermediate_size, args.dim, bias=bias)
         if self.gated:
             self.w3 = Linear(args.dim, args.intermediate_size, bias=False)
-        self.w13 = None  # FusedProducts of w1, w3 (Transformer.fuse_products)
+        self.w13 = None  # FusedProducts of w1, w3 (Block.fuse_products)
 
     def forward(self, x):
         if self.gated:
@@ -338,6 +338,14 @@ class Block(nn.Module):
         # partial sums. CodeGen's parallel branches share one.
         self.reduce = no_communication
 
+    def fuse_products(self):
+        """One few_rows.cpp call for q/k/v and one for gate/up (FusedProducts), where their parts allow it."""
+        attention, mlp = self.attention, self.feed_forward
+        if FusedProducts.fusable([attention.wq, attention.wk, attention.wv]):
+            attention.wqkv = FusedProducts([attention.wq, attention.wk, attention.wv])
+        if mlp.gated and FusedProducts.fusable([mlp.w1, mlp.w3]):
+            mlp.w13 = FusedProducts([mlp.w1, mlp.w3])
+
     def forward(self, x, cos, sin, mask, input_pos):
         if self.parallel:
             h = self.attention_norm(x)
@@ -361,15 +369,6 @@ class Transformer(nn.Module):
     def tie_weights(self):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-
-    def fuse_products(self):
-        """One few_rows.cpp call for q/k/v and one for gate/up (FusedProducts) in each layer whose parts allow it."""
-        for layer in self.layers:
-            attention, mlp = layer.attention, layer.feed_forward
-            if FusedProducts.fusable([attention.wq, attention.wk, attention.wv]):
-                attention.wqkv = FusedProducts([attention.wq, attention.wk, attention.wv])
-            if mlp.gated and FusedProducts.fusable([mlp.w1, mlp.w3]):
-                mlp.w13 = FusedProducts([mlp.w1, mlp.w3])
 
     def setup_caches(self, batch_size: int, max_seq_len: int):
         """Allocate the static KV cache once; a request that fits the current cache reuses it."""

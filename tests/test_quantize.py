@@ -1,5 +1,7 @@
 """quantize.py: file sizes, loading, greedy parity with the dequantize-then-run reference, quantized self-draft."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch.nn as nn
 import mx
 import quantize
 from bench import humaneval_tasks
+from conftest import ROOT
 from generate import Steps, generate, load_model, map_safetensors
 from speculative import ModelDrafter
 from test_generate import cli
@@ -95,6 +98,36 @@ def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):
             spec, stats = generate(target, [prompt], 32, steps, drafter=drafter, speculate_k=4)
             assert spec == expected, mode
             assert stats["alpha"] > 0.3  # a quantized copy agrees with the target most of the time
+
+
+# Loads one file in a fresh process and prints the peak resident memory of the load and the bytes a decode step
+# reads. The baseline is taken after PyTorch's lazy imports for the meta device (~70 MiB of Python modules at its
+# first use, whatever the model), so the peak is what the weights cost.
+LOAD_PEAK = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+import generate, model
+def kib(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+model.build_few_rows_kernels()
+with torch.device("meta"):
+    model.Transformer(model.ModelArgs(vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, intermediate_size=64))
+base = kib("VmRSS")
+loaded = generate.load_model(sys.argv[1], "cpu", torch.bfloat16)
+print((kib("VmHWM") - base) * 1024, generate.model_bytes_per_step(loaded))
+"""
+
+
+def test_loading_peak_stays_within_the_file_and_runtime_buffers(quantized):
+    """Peak memory while loading <= 1.2 x the file + the runtime buffers (the bytes a decode step reads: the
+    mapped codes for int8, the expanded layouts for int4 and MX). No mode may hold the weights twice."""
+    for mode, path in quantized.items():
+        result = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path), str(ROOT)], capture_output=True,
+                                text=True)
+        assert result.returncode == 0, result.stderr
+        peak, runtime = map(int, result.stdout.split())
+        budget = 1.2 * path.stat().st_size + runtime
+        assert peak <= budget, f"{mode}: peak {peak / 1e6:.1f} MB > budget {budget / 1e6:.1f} MB"
 
 
 def test_cli_loads_a_quantized_file_and_drafts_with_one(quantized):

@@ -5,10 +5,11 @@
 Rows: this project's compiled decode, its eager decode, and `transformers`' generate on the same weights;
 quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
 is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file).
-Each row gets a warm-up (which for `compiled` is the cold compile, timed with an empty inductor cache), then
-every prompt is run --runs times with exactly --max_new_tokens tokens (EOS ignored). Reported: decode tok/s
-(median; prefill excluded), bytes of weights read per token x tok/s as % of the memory bandwidth this script
-measures itself, and the ratio to the first row.
+Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
+cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
+--max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
+hold even when the absolute speed does not. Reported: decode tok/s (median; prefill excluded), bytes of weights
+read per token x tok/s as % of the memory bandwidth this script measures itself, and the ratio to the first row.
 """
 import argparse
 import gzip
@@ -52,29 +53,20 @@ def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5) -> float:
     return buffer.numel() * 4 / best / 1e9
 
 
-def bench_ours(model, prompts, new_tokens, runs, compiled, drafter=None, k=4):
-    """Median decode tok/s (emitted tokens after the first, over the time after prefill); with a drafter also
-    the alpha and draft cost ratio c measured over all runs."""
+def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
+    """Warm up (compiled: the compile) and return (seconds it took, run); run(i) generates for prompt i and
+    returns (decode tok/s: emitted tokens after the first over the time after prefill, tokens, stats)."""
     steps = Steps(compile=compiled)
     spec = dict(drafter=drafter, speculate_k=k)
-    presize_caches(model, drafter, 1, max(map(len, prompts)), new_tokens, k)
+    presize_caches(model, drafter, 1, max(map(len, prompts)), new_tokens, k)  # the compiled shapes are final
     t = time.perf_counter()
-    generate(model, prompts[:1], 12 if drafter else 3, steps, **spec)  # warm-up; compiled: the compile
+    generate(model, prompts[:1], 12 if drafter else 3, steps, **spec)
     warmup_s = time.perf_counter() - t
-    rates, outputs, alphas, costs, ks, verify_s = [], [], [], [], [], []
-    for prompt in prompts:
-        for _ in range(runs):
-            rows, stats = generate(model, [prompt], new_tokens, steps, **spec)
-            rates.append((len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]))
-            if drafter:
-                alphas.append(stats["alpha"])
-                costs.append(stats["draft_cost_ratio"])
-                ks.append(stats["speculate_k"])
-                verify_s.append(stats["verify_s_per_round"])
-        outputs.append(rows[0])
-    extra = dict(alpha=statistics.mean(alphas), c=statistics.mean(costs), k=statistics.mode(ks),
-                 verify_s=statistics.mean(verify_s)) if drafter else {}
-    return statistics.median(rates), warmup_s, outputs, extra
+
+    def run(i):
+        rows, stats = generate(model, [prompts[i]], new_tokens, steps, **spec)
+        return (len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]), rows[0], stats
+    return warmup_s, run
 
 
 def quantized_path(checkpoint_path, mode):
@@ -82,6 +74,13 @@ def quantized_path(checkpoint_path, mode):
     if not path.is_file():
         sys.exit(f"error: {path} not found; run: python quantize.py --checkpoint_path {checkpoint_path} --mode {mode}")
     return path
+
+
+def spec_k(row, default):
+    """K of a spec-DRAFTER[-K] row: an int or "auto"."""
+    parts = row.split("-", 2)
+    k = parts[2] if len(parts) > 2 else default
+    return k if k == "auto" else int(k)
 
 
 def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
@@ -99,49 +98,42 @@ def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
     sys.exit(f"error: unknown drafter '{kind}'; use self, random or ngram")
 
 
-def bench_llama_cpp(gguf, texts, new_tokens, runs):
+def llama_cpp(gguf, texts, new_tokens):
     """llama.cpp (llama-cpp-python) greedy decode on the same prompts, 2 threads, one token per eval."""
-    import llama_cpp
-    llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    import llama_cpp as lc
+    llm = lc.Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
 
-    def decode(ids, n):
+    def decode(text, n):
         llm.reset()
-        llm.eval(ids)
+        llm.eval(llm.tokenize(text.encode()))
         t, out = time.perf_counter(), []
         for _ in range(n):
             out.append(llm.sample(temp=0.0))
             llm.eval([out[-1]])
-        return time.perf_counter() - t, out
+        return n / (time.perf_counter() - t), out, {}
 
     t = time.perf_counter()
-    decode(llm.tokenize(texts[0].encode()), 3)
-    warm, rates, outputs = time.perf_counter() - t, [], []
-    for text in texts:
-        for _ in range(runs):
-            seconds, tokens = decode(llm.tokenize(text.encode()), new_tokens)
-            rates.append(new_tokens / seconds)
-        outputs.append(tokens)
-    return statistics.median(rates), warm, outputs
+    decode(texts[0], 3)
+    return time.perf_counter() - t, lambda i: decode(texts[i], new_tokens)
 
 
-@torch.no_grad()
-def bench_hf(hf, prompts, new_tokens, runs):
+def hf_generate(hf, prompts, new_tokens):
     hf.generation_config.eos_token_id = None  # like our rows: exactly n tokens, EOS is not special
 
+    @torch.no_grad()
     def timed(prompt, n):
         t = time.perf_counter()
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
         return time.perf_counter() - t, out[0, len(prompt):].tolist()
 
+    def run(i):
+        prefill_s, _ = timed(prompts[i], 1)
+        total_s, tokens = timed(prompts[i], new_tokens)
+        return (new_tokens - 1) / (total_s - prefill_s), tokens, {}
+
+    t = time.perf_counter()
     timed(prompts[0], 3)
-    rates, outputs = [], []
-    for prompt in prompts:
-        for _ in range(runs):
-            prefill_s, _ = timed(prompt, 1)
-            total_s, tokens = timed(prompt, new_tokens)
-            rates.append((new_tokens - 1) / (total_s - prefill_s))
-        outputs.append(tokens)
-    return statistics.median(rates), 0.0, outputs
+    return time.perf_counter() - t, run
 
 
 def main(argv=None):
@@ -174,54 +166,68 @@ def main(argv=None):
           f"prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
           f"{opts.runs} runs each")
     print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
-    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'compile s':>9} | same tokens |")
-    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 11}|-------------|")
-    first = reference = None
-    spec_lines = []
-    for row in opts.rows.split(","):
-        extra, row_bytes = {}, step_bytes
+    rows = opts.rows.split(",")
+    ks = [spec_k(row, opts.speculate_k) for row in rows if row.startswith("spec-")]
+    if ks:  # the target's cache sized once for every row that shares it: a new size would recompile the others
+        presize_caches(model, True, 1, max(map(len, prompts)), opts.max_new_tokens,
+                       "auto" if "auto" in ks else max(ks))
+    setups = []  # per row: name, bytes a step reads, warm-up seconds, run, whether compiled
+    for row in rows:
+        row_bytes, compiled = step_bytes, True
         if row.startswith("quant-"):
             quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype)
             row_bytes = model_bytes_per_step(quantized)
-            rate, warm, outputs, _ = bench_ours(quantized, prompts, opts.max_new_tokens, opts.runs, compiled=True)
-            del quantized
+            warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
         elif row == "llama.cpp":
             if not opts.gguf:
                 sys.exit("error: the llama.cpp row needs --gguf PATH")
             texts = [task["prompt"] for task in humaneval_tasks(opts.num_prompts)]
-            rate, warm, outputs = bench_llama_cpp(opts.gguf, texts, opts.max_new_tokens, opts.runs)
+            warm, run = llama_cpp(opts.gguf, texts, opts.max_new_tokens)
             row_bytes = Path(opts.gguf).stat().st_size
-        elif row == "compiled":
-            rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=True)
-        elif row == "eager":
-            rate, warm, outputs, _ = bench_ours(model, prompts, opts.max_new_tokens, opts.runs, compiled=False)
+        elif row in ("compiled", "eager"):
+            compiled = row == "compiled"
+            warm, run = ours(model, prompts, opts.max_new_tokens, compiled=compiled)
         elif row == "hf":
-            rate, warm, outputs = bench_hf(to_hf_model(model), prompts, opts.max_new_tokens, opts.runs)
+            warm, run = hf_generate(to_hf_model(model), prompts, opts.max_new_tokens)
+            compiled = False
         elif row.startswith("spec-"):
-            _, kind, *k = row.split("-", 2)
-            k = k[0] if k else opts.speculate_k
-            k = k if k == "auto" else int(k)
-            drafter = make_drafter(kind, opts.checkpoint_path, dtype, model.args.vocab_size, not opts.eager_spec)
-            rate, warm, outputs, extra = bench_ours(model, prompts, opts.max_new_tokens, opts.runs,
-                                                    compiled=not opts.eager_spec, drafter=drafter, k=k)
+            compiled = not opts.eager_spec
+            drafter = make_drafter(row.split("-")[1], opts.checkpoint_path, dtype, model.args.vocab_size, compiled)
+            warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
         else:
             sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
                      "spec-DRAFTER[-K]")
-        first = first or rate
-        reference = reference or outputs
-        same = sum(a == b for a, b in zip(outputs, reference))
         name = {"compiled": "ours, torch.compile", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
-        compiled = row in ("compiled", "llama.cpp") or row.startswith("quant-") or (row.startswith("spec-") and
-                                                                                     not opts.eager_spec)
+        setups.append((name, row_bytes, warm, run, compiled))
+        print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
+    rates = [[] for _ in setups]
+    outputs = [[None] * len(prompts) for _ in setups]
+    stats = [[] for _ in setups]
+    for i in range(len(prompts)):
+        for _ in range(opts.runs):
+            for j, (_, _, _, run, _) in enumerate(setups):
+                rate, outputs[j][i], row_stats = run(i)
+                rates[j].append(rate)
+                stats[j].append(row_stats)
+    first = statistics.median(rates[0])
+    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'compile s':>9} | same tokens |")
+    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 11}|-------------|")
+    spec_lines = []
+    for j, (name, row_bytes, warm, _, compiled) in enumerate(setups):
+        rate = statistics.median(rates[j])
+        same = sum(a == b for a, b in zip(outputs[j], outputs[0]))
         compile_s = f"{warm:.1f}" if compiled else "-"
         print(f"| {name:<24} | {rate:7.2f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
-              f"{rate / first:7.2f}x | {compile_s:>9} | {same}/{len(outputs)} |", flush=True)
-        if extra:
-            predicted = expected_speedup(extra["alpha"], extra["c"], extra["k"])
-            verify_cost = extra["verify_s"] * first  # v: one verify round in plain decode steps of the first row
-            spec_lines.append(f"| {row:<24} | {extra['k']:>2} | {extra['alpha']:.3f} | {extra['c']:.3f} | "
-                              f"{verify_cost:5.2f} | {rate / first:8.2f}x | {predicted:9.2f}x | "
-                              f"{predicted / verify_cost:11.2f}x |")
+              f"{rate / first:7.2f}x | {compile_s:>9} | {same}/{len(prompts)} |", flush=True)
+        if "alpha" in stats[j][0]:
+            alpha = statistics.mean(s["alpha"] for s in stats[j])
+            c = statistics.mean(s["draft_cost_ratio"] for s in stats[j])
+            k = statistics.mode(s["speculate_k"] for s in stats[j])
+            predicted = expected_speedup(alpha, c, k)
+            # v: one verify round in plain decode steps of the first row
+            verify_cost = statistics.mean(s["verify_s_per_round"] for s in stats[j]) * first
+            spec_lines.append(f"| {name:<24} | {k:>2} | {alpha:.3f} | {c:.3f} | {verify_cost:5.2f} | "
+                              f"{rate / first:8.2f}x | {predicted:9.2f}x | {predicted / verify_cost:11.2f}x |")
     if spec_lines:
         print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / "
               "((1 - a)(K c + 1)) with c = draft step / verify time; v = verify time / plain step time; "

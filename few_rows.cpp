@@ -1,12 +1,14 @@
 // Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the 1-16 rows of a decode, draft or verify
 // step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors) or as int4 nibbles (times
-// a per-group scale plus offset); and those rows' attention over the KV cache. Built at first use by model.py.
+// a per-group scale plus offset, against activations rounded to 8 bits: see round_rows); and those rows'
+// attention over the KV cache. Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts a few weight rows to
 // float once, in registers, and multiplies them into every input row; a row's sum runs in 16 lanes over k in
 // order, then halves in a fixed tree. GCC/Clang vector extensions, compiled with -march=native; the
-// int8/bf16 -> float conversions use AVX-512 or AVX2 intrinsics where present, plain loops elsewhere.
+// int8/bf16 -> float conversions and the int4 integer dot products use AVX-512 or AVX2 intrinsics where
+// present, plain loops elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -104,28 +106,6 @@ inline f32x16 int8_to_float(const int8_t* p) {
   return v;
 }
 
-// 16 int4 codes from 8 bytes as floats, byte j holding code j in its low nibble and code j + 8 in its high one.
-__attribute__((always_inline)) inline f32x16 nibbles_to_float(const uint8_t* p) {
-  f32x16 v;
-#if defined(__AVX2__)
-  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-#if defined(__AVX512F__)
-  v.part[0] = (native)_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-#else
-  v.part[0] = (native)lo;
-  v.part[1] = (native)hi;
-#endif
-#else
-  for (int j = 0; j < 8; j++) {
-    v.part[j / W][j % W] = p[j] & 15;
-    v.part[(j + 8) / W][(j + 8) % W] = p[j] >> 4;
-  }
-#endif
-  return v;
-}
-
 inline f32x16 to_float(const float* p) { return load(p); }
 inline f32x16 to_float(const uint16_t* p) { return bf16_to_float(p); }
 inline f32x16 to_float(const int8_t* p) { return int8_to_float(p); }
@@ -152,26 +132,6 @@ struct DenseWeight {
     float finish(float sum) const { return F == Rows ? sum * factors[0] : sum; }
   };
   Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
-};
-
-// Groupwise int4 (Int4Linear): w = q * scale + offset, offset = zero - 8 * scale. Codes in the order
-// nibbles_to_float reads, K / 2 bytes per row; per group of 2^shift along k the float pair (scale, offset).
-struct Int4Weight {
-  const uint8_t* w;
-  const float* groups;
-  int64_t K, per_row, shift;
-  struct Row {
-    const uint8_t* w;
-    const float* groups;
-    int64_t shift;
-    void prefetch(int64_t k) const { __builtin_prefetch(w + (k >> 1) + PREFETCH_BYTES); }
-    __attribute__((always_inline)) f32x16 operator()(int64_t k) const {
-      const float* group = groups + 2 * (k >> shift);
-      return nibbles_to_float(w + (k >> 1)) * group[0] + group[1];
-    }
-    float finish(float sum) const { return sum; }
-  };
-  Row row(int64_t n) const { return {w + n * (K >> 1), groups + 2 * n * per_row, shift}; }
 };
 
 // Inlined by force: as a call, the struct argument made GCC keep the accumulators on the stack during the
@@ -310,6 +270,136 @@ int64_t block_shift(int64_t K, int64_t blocks, const char* what) {
   return __builtin_ctzll(block);
 }
 
+// int4 products take 8-bit activations, as llama.cpp's 4-bit formats do: a block of 32 codes times 32 rounded
+// activations is then an exact integer dot product (vpmaddubsw), one instruction per 32 multiplies where
+// converting the codes to float took one per 8 (SmolLM2's 211 products: 8.6 vs 11.3 ms at one row, Zen 3).
+// Each input row is rounded per block b of 32 along k to q * d_b, d_b = max|x| / 127, q = round(x / d_b)
+// (quantize.round_activations, the same formula for the rows few_rows.cpp does not take). With the weights
+// w = code * scale + offset per group g: y = sum_b scale_g d_b dot_b + sum_g offset_g sum_(b in g) d_b sum(q_b).
+struct RoundedRows {
+  std::vector<int8_t> q;          // [M, K]; within each block of 32, in the order the nibbles unpack
+  std::vector<float> d;           // [M, K / 32]
+  std::vector<float> group_sums;  // [M, K / group]: sum over the group's blocks of d_b * sum(q_b)
+};
+
+// Codes of bytes k/2 .. k/2 + 15 (Int4Linear's runtime layout: byte j of 8 holds code j low, j + 8 high) as 32
+// bytes, low nibbles then high ones: codes k + (0..7, 16..23, 8..15, 24..31). An activation block is stored
+// in that order, `unpacked_position` being where its element j goes.
+inline int unpacked_position(int j) { return j < 8 || j >= 24 ? j : j < 16 ? j + 8 : j - 8; }
+
+RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
+  const int64_t blocks = K / 32, per_group = (int64_t(1) << shift) / 32;
+  RoundedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * (K >> shift))};
+  for (int64_t b = 0; b < M * blocks; b++) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+      const float q = d > 0 ? std::nearbyint(xb[j] / d) : 0.f;  // ties to even, as torch.round
+      const int8_t code = std::isfinite(q) ? int8_t(q) : 0;
+      r.q[b * 32 + unpacked_position(j)] = code;
+      sum += code;
+    }
+    r.d[b] = d;
+    r.group_sums[b / per_group] += d * float(sum);  // blocks of a group in order
+  }
+  return r;
+}
+
+// C weight rows n0.. times R rounded rows m0..: one 8-lane float sum per output over the blocks in order, then
+// a fixed tree, then the offsets; every output the same arithmetic whatever R and C.
+template <int R, int C>
+__attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* groups, const RoundedRows& a,
+                                         int64_t K, int64_t N, int64_t shift, int64_t m0, int64_t n0, float* y) {
+  const int64_t G = K >> shift;
+  const uint8_t* w[C];
+  const float* g[C];
+  for (int c = 0; c < C; c++) w[c] = nibbles + (n0 + c) * (K / 2), g[c] = groups + 2 * (n0 + c) * G;
+#if defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i codes[C];
+    for (int c = 0; c < C; c++) {
+      const __m128i packed = _mm_loadu_si128((const __m128i*)(w[c] + k / 2));
+      codes[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+      __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
+    }
+    const int64_t b = k >> 5, group = k >> shift;
+    for (int r = 0; r < R; r++) {
+      const __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + k));
+      const float d = a.d[(m0 + r) * (K / 32) + b];
+      for (int c = 0; c < C; c++) {
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[c], xq), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(g[c][2 * group] * d), acc[r][c]);
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) {
+#if defined(__AVX2__)
+      f32x16 lanes;  // the 8 lanes, then 8 zeros: sum_lanes' tree
+      lanes.part[0] = (native)acc[r][c];
+      for (int h = 1; h < L / W; h++) lanes.part[h] = native{};
+      float sum = sum_lanes(lanes);
+#else
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; k += 32) {
+        int dot = 0;
+        for (int j = 0; j < 32; j++) {
+          const uint8_t byte = w[c][k / 2 + (j & 15)];
+          dot += (j < 16 ? byte & 15 : byte >> 4) * a.q[(m0 + r) * K + k + j];
+        }
+        sum += float(dot) * (g[c][2 * (k >> shift)] * a.d[(m0 + r) * (K / 32) + k / 32]);
+      }
+#endif
+      for (int64_t group = 0; group < G; group++) sum += g[c][2 * group + 1] * a.group_sums[(m0 + r) * G + group];
+      y[(m0 + r) * N + n0 + c] = sum;
+    }
+}
+
+template <int C>
+void rows_int4(const uint8_t* nibbles, const float* groups, const RoundedRows& a, int64_t M, int64_t K, int64_t N,
+               int64_t shift, int64_t n0, float* y) {
+  for (int64_t m = 0; m < M; m += 4) {
+    switch (M - m < 4 ? M - m : 4) {
+      case 1: tile_int4<1, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
+      case 2: tile_int4<2, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
+      case 3: tile_int4<3, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
+      default: tile_int4<4, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
+    }
+  }
+}
+
+at::Tensor int4(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& groups) {
+  const int64_t N = w.size(0), K = 2 * w.size(1);
+  check_rows(x, K);
+  TORCH_CHECK(groups && groups->scalar_type() == at::kFloat && groups->is_contiguous() && groups->dim() == 3 &&
+                  groups->size(0) == N && groups->size(2) == 2,
+              "few_rows: int4 codes need float32 [N, K / group, 2] (scale, offset) factors");
+  const int64_t shift = block_shift(K, groups->size(1), "int4 groups");
+  TORCH_CHECK(shift >= 5, "few_rows: int4 groups must hold at least 32 elements");
+  const int64_t M = x.size(0);
+  const RoundedRows a = round_rows(x.data_ptr<float>(), M, K, shift);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* nibbles = w.data_ptr<uint8_t>();
+  const float* factors = groups->data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pairs = N / 2;
+  at::parallel_for(0, pairs + N % 2, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      if (t < pairs) rows_int4<2>(nibbles, factors, a, M, K, N, shift, 2 * t, yp);
+      else rows_int4<1>(nibbles, factors, a, M, K, N, shift, N - 1, yp);
+    }
+  });
+  return y;
+}
+
 template <class T>
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
   const int64_t N = w.size(0), K = w.size(1);
@@ -323,17 +413,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<a
                                         block_shift(K, per_row, "factors")}, x, N);
 }
 
-at::Tensor int4(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& groups) {
-  const int64_t N = w.size(0), K = 2 * w.size(1);
-  check_rows(x, K);
-  TORCH_CHECK(groups && groups->scalar_type() == at::kFloat && groups->is_contiguous() && groups->dim() == 3 &&
-                  groups->size(0) == N && groups->size(2) == 2,
-              "few_rows: int4 codes need float32 [N, K / group, 2] (scale, offset) factors");
-  return product(Int4Weight{w.data_ptr<uint8_t>(), groups->data_ptr<float>(), K, groups->size(1),
-                            block_shift(K, groups->size(1), "int4 groups")}, x, N);
-}
-
-// x [M, K] @ w.T; w [N, K] (bf16, fp32, int8 times factors) or uint8 [N, K / 2] (int4 codes, see Int4Weight).
+// x [M, K] @ w.T; w [N, K] (bf16, fp32, int8 times factors) or uint8 [N, K / 2] (int4 codes, see tile_int4).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "few_rows: weight must be contiguous [N, K]");
   if (w.scalar_type() == at::kByte) return int4(x, w, factors);

@@ -78,7 +78,8 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
 
 
 def few_rows_cases():
-    """Each weight layout few_rows.cpp reads: (product of x [M, 1536], the float weight it stands for)."""
+    """Each weight layout few_rows.cpp reads: (product of x [M, 1536], the float weight it stands for, the inputs
+    it multiplies: x itself, or for int4 x rounded to 8 bits per block of 32)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 4-row tile
     w = torch.randn(n, k)
@@ -89,15 +90,20 @@ def few_rows_cases():
     scales_and_zeros = torch.stack([torch.rand(k // 64, n) + 0.5, torch.randn(k // 64, n)], -1).bfloat16()
     nibbles, group_factors = quantize.int4_runtime(int4, scales_and_zeros)
     scale, offset = (t.repeat_interleave(64, 1) for t in group_factors.unbind(-1))
-    return torch.randn(16, k), {
-        "fp32": (lambda x: torch.ops.few_rows.linear(x, w), w),
-        "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float()),
+    x = torch.randn(16, k)
+    x[3, 32:64] = 0  # an all-zero block
+    same = lambda x: x  # noqa: E731
+    return x, {
+        "fp32": (lambda x: torch.ops.few_rows.linear(x, w), w, same),
+        "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float(), same),
         "bf16 x block": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16(), per_block),
-                         w.bfloat16().float() * per_block.repeat_interleave(32, 1)),
-        "int8 x channel": (lambda x: torch.ops.few_rows.linear(x, codes, per_channel), codes * per_channel[:, None]),
+                         w.bfloat16().float() * per_block.repeat_interleave(32, 1), same),
+        "int8 x channel": (lambda x: torch.ops.few_rows.linear(x, codes, per_channel), codes * per_channel[:, None],
+                           same),
         "int8 x block": (lambda x: torch.ops.few_rows.linear(x, codes, per_block),
-                         codes * per_block.repeat_interleave(32, 1)),
-        "int4 x group": (lambda x: torch.ops.few_rows.linear(x, nibbles, group_factors), int4 * scale + offset),
+                         codes * per_block.repeat_interleave(32, 1), same),
+        "int4 x group": (lambda x: torch.ops.few_rows.linear(x, nibbles, group_factors), int4 * scale + offset,
+                         quantize.round_activations),
     }
 
 
@@ -110,7 +116,7 @@ def attention_inputs(dtype):
 
 def few_rows_outputs():
     x, cases = few_rows_cases()
-    outputs = {(name, rows): product(x[:rows].contiguous()) for name, (product, _) in cases.items()
+    outputs = {(name, rows): product(x[:rows].contiguous()) for name, (product, _, _) in cases.items()
                for rows in (1, 5, 16)}
     for dtype in (torch.float32, torch.bfloat16):
         outputs["attention", str(dtype)] = torch.ops.few_rows.attention(*attention_inputs(dtype))
@@ -119,13 +125,16 @@ def few_rows_outputs():
 
 def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic():
     """few_rows.cpp for each weight layout: within 1e-5 relative of a float64 product of the dequantized weight
-    (float32 accumulation over K = 1536), and a row's result is bit-identical whether it is computed alone or
-    among 2, 3, 5, 8 or 16 rows (what keeps speculative verify equal to decode)."""
+    and the inputs it multiplies (float32 accumulation over K = 1536; int4: quantize.round_activations, so the
+    rounding of the activations is checked too: one q off by one moves the result by ~4e-4 of its largest
+    output), and a row's
+    result is bit-identical whether it is computed alone or among 2, 3, 5, 8 or 16 rows (what keeps speculative
+    verify equal to decode)."""
     import model
     assert model.build_few_rows_kernels(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
     x, cases = few_rows_cases()
-    for name, (product, reference) in cases.items():
-        expected = x.double() @ reference.double().T
+    for name, (product, reference, inputs) in cases.items():
+        expected = inputs(x).double() @ reference.double().T
         y = product(x)
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name

@@ -36,6 +36,13 @@ def test_file_sizes_and_metadata(quantized):
         assert "output.weight" in tensors and not tensors["output.weight"].is_floating_point()  # the head too
 
 
+class RoundedInputsLinear(nn.Linear):
+    """int4's arithmetic: inputs rounded to 8 bits per block of 32 (quantize.round_activations)."""
+
+    def forward(self, x):
+        return super().forward(quantize.round_activations(x))
+
+
 def reference_model(path, dtype):
     """The same file, dequantized up front with the plain formulas (mx: the code table), into nn.Linear."""
     tensors, metadata = map_safetensors(path)
@@ -54,7 +61,8 @@ def reference_model(path, dtype):
             else:
                 fmt = child.fmt
                 w = mx.dequantize(mx.unpack(codes, fmt.bits), tensors[f"{prefix}.scales"], fmt)
-            linear = nn.Linear(w.shape[1], w.shape[0], bias=child.bias is not None, dtype=dtype)
+            linear = (RoundedInputsLinear if mode == "int4" else nn.Linear)(w.shape[1], w.shape[0],
+                                                                            bias=child.bias is not None, dtype=dtype)
             linear.weight.data = w.to(dtype)
             if child.bias is not None:
                 linear.bias.data = child.bias.data
@@ -72,15 +80,33 @@ def prompts(smollm2):
 def test_quantized_greedy_equals_dequantized_reference(quantized, prompts, mode):
     """Compiled decode through the fused / packed kernels (and eager prefill through the packed kernels or a
     per-layer decode) vs eager F.linear on weights dequantized up front from the file with the plain formulas:
-    the same math on different paths, fp32 activations, 16 greedy tokens on 2 HumanEval prompts."""
+    the same math on different paths, fp32 activations, 16 greedy tokens on 2 HumanEval prompts.
+
+    int4 rounds its inputs to 8 bits (quantize.round_activations), and then two paths cannot agree bit for bit
+    for long: a float difference far below a rounding step moves some input across a rounding boundary now and
+    then, and 30 layers carry it on (one ulp of an input embedding moves SmolLM2's int4 logits by up to 0.42,
+    its int8 logits by 1e-5). So int4's tokens are checked against the reference's logits at the same places
+    (the whole output as one reference prefill): each is the reference's top token or within 0.5 of it, and
+    most are its top token. Measured over 6 prompts x 32 tokens: 96% top, the others within 0.15 (near-ties)."""
     torch._dynamo.reset()
     model = load_model(quantized[mode], "cpu", torch.float32)
     reference = reference_model(quantized[mode], torch.float32)
     steps = Steps(compile=True)
+    agree = 0
     for prompt in prompts:
         ours, _ = generate(model, [prompt], 16, steps)
-        ref, _ = generate(reference, [prompt], 16, Steps())
-        assert ours == ref, mode
+        if mode != "int4":
+            ref, _ = generate(reference, [prompt], 16, Steps())
+            assert ours == ref, mode
+            continue
+        tokens = torch.tensor([prompt + ours[0]])
+        reference.setup_caches(1, tokens.shape[1])
+        with torch.no_grad():
+            logits = reference(tokens, torch.arange(tokens.shape[1])[None])[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(-1, torch.tensor(ours[0])[:, None])[:, 0]
+        assert (logits.max(-1).values - chosen < 0.5).all(), (logits.max(-1).values - chosen).max()
+        agree += (logits.argmax(-1) == torch.tensor(ours[0])).sum().item()
+    assert mode != "int4" or agree >= 0.8 * 16 * len(prompts), agree
 
 
 def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):

@@ -5,8 +5,9 @@ quantized modules below. Every Linear is quantized, the LM head included (untied
 stays 16-bit: a decode step reads one row of it).
 
 A step with a few rows on CPU (decode, draft, verify) never materializes a full-precision weight: few_rows.cpp
-(see model.py) converts int8 and int4 codes to float in registers, times the per-channel scale or the group's
-scale and offset, and MX codes expanded once at load (see MXLinear for why) times their block factors. Calls
+(see model.py) converts int8 codes to float in registers, times the per-channel scale, and MX codes expanded
+once at load (see MXLinear for why) times their block factors; int4 codes it multiplies as integers with the
+inputs rounded to 8 bits (round_activations), then applies the group's scale and offset. Calls
 with many rows (prefill, eval) decode one layer at a time into a temporary weight; int8 and int4 without
 few_rows.cpp call aten's packed kernels.
 """

@@ -309,7 +309,8 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
 }
 
 // C weight rows n0.. times R rounded rows m0..: one 8-lane float sum per output over the blocks in order, then
-// a fixed tree, then the offsets; every output the same arithmetic whatever R and C.
+// a fixed tree, then the offsets; every output the same arithmetic whatever R and C. (AVX-512 builds run the
+// same 256-bit code: 32 codes a step is what one 16-byte load of nibbles gives.)
 template <int R, int C>
 __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* groups, const RoundedRows& a,
                                          int64_t K, int64_t N, int64_t shift, int64_t m0, int64_t n0, float* y) {
@@ -317,7 +318,7 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
   const uint8_t* w[C];
   const float* g[C];
   for (int c = 0; c < C; c++) w[c] = nibbles + (n0 + c) * (K / 2), g[c] = groups + 2 * (n0 + c) * G;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc[R][C];
   for (int r = 0; r < R; r++)
@@ -342,11 +343,11 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
 #endif
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++) {
-#if defined(__AVX2__)
-      f32x16 lanes;  // the 8 lanes, then 8 zeros: sum_lanes' tree
-      lanes.part[0] = (native)acc[r][c];
-      for (int h = 1; h < L / W; h++) lanes.part[h] = native{};
-      float sum = sum_lanes(lanes);
+#if defined(__AVX2__) && defined(__FMA__)
+      // The 8 lanes in a fixed tree (lanes j + 4, j + 2, j + 1), the same instructions in an AVX-512 build.
+      const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+      const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+      float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 #else
       float sum = 0.f;
       for (int64_t k = 0; k < K; k += 32) {

@@ -127,9 +127,8 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
     """few_rows.cpp for each weight layout: within 1e-5 relative of a float64 product of the dequantized weight
     and the inputs it multiplies (float32 accumulation over K = 1536; int4: quantize.round_activations, so the
     rounding of the activations is checked too: one q off by one moves the result by ~4e-4 of its largest
-    output), and a row's
-    result is bit-identical whether it is computed alone or among 2, 3, 5, 8 or 16 rows (what keeps speculative
-    verify equal to decode)."""
+    output), and a row's result is bit-identical whether it is computed alone or among 2, 3, 5, 8 or 16 rows
+    (what keeps speculative verify equal to decode)."""
     import model
     assert model.build_few_rows_kernels(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
     x, cases = few_rows_cases()

@@ -67,6 +67,8 @@ def reference_model(path, dtype):
             if child.bias is not None:
                 linear.bias.data = child.bias.data
             setattr(module, child_name, linear)
+    for block in model.layers:  # the stacked q/k/v and gate/up products (FusedProducts) would bypass the layers
+        block.attention.wqkv = block.feed_forward.w13 = None
     return model
 
 

@@ -1,7 +1,7 @@
 // Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the 1-16 rows of a decode, draft or verify
 // step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors) or as int4 nibbles (times
-// a per-group scale plus offset, against activations rounded to 8 bits: see round_rows); and those rows'
-// attention over the KV cache. Built at first use by model.py.
+// a per-group scale plus offset, against activations rounded to 8 bits: see round_rows); those rows'
+// attention over the KV cache; and the argmax of their logits. Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts a few weight rows to
@@ -14,12 +14,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -430,8 +431,62 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // Attention of a few query rows over the KV cache, each row on its own (the same arithmetic whatever the number
 // of rows, as for the products). q [B, H, R, D]: the R = G * T query rows of KV head h, row i being token i % T
 // at position positions[b, i % T]; k, v [B, H, L, D], the cache; a row attends slots 0..its position (later
-// slots hold padding or rejected drafts, and skipping them changes no bit: exp(-inf) adds exact zeros). Scores,
-// softmax and the weighted sum in float, over slots in order; the output rounded to q's dtype.
+// slots hold padding or rejected drafts). In float: a score is a dot product in two 8-lane chains (even and odd
+// 8-element chunks of D) summed in a fixed tree (sum4x8); the softmax's exp is exp8; the weighted sum of values
+// runs over slots in order. One task per KV head converts its keys and values to float once for its R rows (15
+// in a verify of 5 tokens): a verify's attention took 3 ms of a 26 ms SmolLM2 step converting them per row, with
+// a full 16-lane sum per row and slot. (Rows as tasks after a parallel conversion was slower on 2 cores.)
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The lane sums of a[0..3], each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the tree of AVX's hadd.
+inline void sum4x8(const f32x8* a, float* out) {
+#if defined(__AVX__)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]),
+                                  _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  for (int j = 0; j < 4; j++)
+    out[j] = ((a[j][0] + a[j][1]) + (a[j][2] + a[j][3])) + ((a[j][4] + a[j][5]) + (a[j][6] + a[j][7]));
+#endif
+}
+
+// e^x for x <= 0 (a score minus its row's largest): 2^n times a degree-6 polynomial of the remainder (Cephes'
+// expf coefficients, relative error < 2e-7); 0 below -87, where e^x leaves the normal floats.
+inline f32x8 exp8(f32x8 x) {
+  const f32x8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // x / ln 2 rounded to an integer
+  const f32x8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  f32x8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.f;
+  const i32x8 exponent = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  f32x8 two_n;
+  std::memcpy(&two_n, &exponent, sizeof two_n);
+  return x < -87.f ? f32x8{} : p * two_n;
+}
+
+// out[0 .. 8 NC) = (sum over slots s < n, in order, of weights[s] * values[s D + 0 .. 8 NC)) / total.
+template <int NC>
+void weighted_sum(const float* values, const float* weights, int64_t n, int64_t D, float total, float* out) {
+  f32x8 acc[NC];
+  for (int c = 0; c < NC; c++) acc[c] = f32x8{};
+  for (int64_t s = 0; s < n; s++)
+    for (int c = 0; c < NC; c++) acc[c] += load8(values + s * D + 8 * c) * weights[s];
+  for (int c = 0; c < NC; c++) {
+    const f32x8 r = acc[c] / total;
+    std::memcpy(out + 8 * c, &r, sizeof r);
+  }
+}
+
 template <class T>
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), cache = k.size(2), tokens = positions.size(1);
@@ -442,34 +497,64 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float root = std::sqrt(float(D));
-  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(cache);
-    std::vector<f32x16> query(D / L), out(D / L);
-    for (int64_t row = begin; row < end; row++) {
-      const int64_t b = row / (H * R), head = row / R % H;
-      const int64_t last = std::min(pos[b * tokens + row % R % tokens], cache - 1);
-      const T* keys = kp + (b * H + head) * cache * D;
-      const T* values = vp + (b * H + head) * cache * D;
-      for (int64_t c = 0; c < D / L; c++) query[c] = to_float(qp + row * D + c * L);
-      float top = -INFINITY;
-      for (int64_t slot = 0; slot <= last; slot++) {
-        f32x16 acc = {};
-        for (int64_t c = 0; c < D / L; c++) acc += to_float(keys + slot * D + c * L) * query[c];
-        weights[slot] = sum_lanes(acc) / root;
-        top = std::max(top, weights[slot]);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys, values, query(D), scores, out(D);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t b = task / H;
+      int64_t span = 0;  // the slots this head's rows attend
+      for (int64_t t = 0; t < tokens; t++) span = std::max(span, std::min(pos[b * tokens + t], cache - 1) + 1);
+      const int64_t padded = (span + 7) / 8 * 8;  // scores go 4 and 8 slots at a time
+      keys.resize(padded * D);
+      values.resize(span * D);
+      scores.resize(padded);
+      for (int64_t i = 0; i < span * D; i += L) {
+        const f32x16 key = to_float(kp + task * cache * D + i), value = to_float(vp + task * cache * D + i);
+        for (int h = 0; h < L / W; h++) {
+          std::memcpy(&keys[i + h * W], &key.part[h], sizeof(native));
+          std::memcpy(&values[i + h * W], &value.part[h], sizeof(native));
+        }
       }
-      float total = 0.f;
-      for (int64_t slot = 0; slot <= last; slot++) total += weights[slot] = std::exp(weights[slot] - top);
-      for (int64_t c = 0; c < D / L; c++) out[c] = f32x16{};
-      for (int64_t slot = 0; slot <= last; slot++) {
-        const float weight = weights[slot] / total;
-        for (int64_t c = 0; c < D / L; c++) out[c] += to_float(values + slot * D + c * L) * weight;
-      }
-      for (int64_t c = 0; c < D / L; c++) {
-        float lanes[L];
-        for (int h = 0; h < L / W; h++)
-          for (int j = 0; j < W; j++) lanes[h * W + j] = out[c].part[h][j];
-        for (int j = 0; j < L; j++) yp[row * D + c * L + j] = static_cast<T>(lanes[j]);
+      std::fill(keys.begin() + span * D, keys.end(), 0.f);
+      for (int64_t row = task * R; row < (task + 1) * R; row++) {
+        const int64_t last = std::min(pos[b * tokens + row % R % tokens], cache - 1);
+        for (int64_t d = 0; d < D; d++) query[d] = float(qp[row * D + d]);
+        for (int64_t s0 = 0; s0 <= last; s0 += 4) {
+          f32x8 even[4], odd[4];
+          for (int j = 0; j < 4; j++) even[j] = odd[j] = f32x8{};
+          for (int64_t d = 0; d < D; d += 16)
+            for (int j = 0; j < 4; j++) {
+              even[j] += load8(&keys[(s0 + j) * D + d]) * load8(&query[d]);
+              odd[j] += load8(&keys[(s0 + j) * D + d + 8]) * load8(&query[d + 8]);
+            }
+          for (int j = 0; j < 4; j++) even[j] += odd[j];
+          sum4x8(even, &scores[s0]);
+        }
+        f32x8 top = f32x8{} - INFINITY;  // slots past last (to the next 8) hold other slots' scores: masked
+        for (int64_t s0 = 0; s0 <= last; s0 += 8) {
+          const f32x8 s = load8(&scores[s0]) / root;
+          std::memcpy(&scores[s0], &s, sizeof s);
+          top = i32x8{0, 1, 2, 3, 4, 5, 6, 7} + int32_t(s0) <= int32_t(last) && s > top ? s : top;
+        }
+        float largest = top[0], total = 0.f;
+        for (int j = 1; j < 8; j++) largest = std::max(largest, top[j]);
+        f32x8 totals = {};
+        for (int64_t s0 = 0; s0 <= last; s0 += 8) {
+          f32x8 e = exp8(load8(&scores[s0]) - largest);
+          e = i32x8{0, 1, 2, 3, 4, 5, 6, 7} + int32_t(s0) <= int32_t(last) ? e : f32x8{};
+          std::memcpy(&scores[s0], &e, sizeof e);
+          totals += e;
+        }
+        for (int j = 0; j < 8; j++) total += totals[j];
+        for (int64_t d = 0; d < D; d += 64) {
+          float* o = out.data() + d;
+          switch (std::min<int64_t>(D - d, 64) / 8) {  // D is a multiple of 16
+            case 8: weighted_sum<8>(values.data() + d, scores.data(), last + 1, D, total, o); break;
+            case 6: weighted_sum<6>(values.data() + d, scores.data(), last + 1, D, total, o); break;
+            case 4: weighted_sum<4>(values.data() + d, scores.data(), last + 1, D, total, o); break;
+            default: weighted_sum<2>(values.data() + d, scores.data(), last + 1, D, total, o); break;
+          }
+        }
+        for (int64_t d = 0; d < D; d++) yp[row * D + d] = static_cast<T>(out[d]);
       }
     }
   });
@@ -492,14 +577,78 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
 }
 
+// The index of each row's largest value over the last dimension, as torch.argmax: the first one, NaN counting as
+// the largest. Inductor's reduction took ~1 ms for a verify's 5 x 49152 logits (0.2 for a decode's one row),
+// 4% of a step; one 16-lane max and one search take ~20 us.
+template <class T>
+int64_t argmax_row(const T* x, int64_t n) {
+  typedef int32_t native_index __attribute__((vector_size(4 * W)));
+  const int64_t whole = n / L * L;
+  float top = -INFINITY;
+  int64_t first = 0;
+  bool nan = false;
+  if (whole) {
+    // Per lane: the largest value and where it first occurs; a lane's first NaN stays.
+    f32x16 best = to_float(x);
+    native_index at[L / W], index[L / W];
+    for (int h = 0; h < L / W; h++)
+      for (int j = 0; j < W; j++) at[h][j] = index[h][j] = h * W + j;
+    for (int64_t i = L; i < whole; i += L) {
+      const f32x16 v = to_float(x + i);
+      for (int h = 0; h < L / W; h++) {
+        index[h] += L;
+        const native_index take = v.part[h] > best.part[h] || (v.part[h] != v.part[h] && best.part[h] == best.part[h]);
+        best.part[h] = take ? v.part[h] : best.part[h];
+        at[h] = take ? index[h] : at[h];
+      }
+    }
+    first = n;
+    for (int h = 0; h < L / W; h++)
+      for (int j = 0; j < W; j++) {
+        const float value = best.part[h][j];
+        const bool wins = std::isnan(value) ? !nan || at[h][j] < first
+                                            : !nan && (value > top || (value == top && at[h][j] < first));
+        if (wins) top = value, first = at[h][j], nan |= std::isnan(value);
+      }
+  }
+  for (int64_t i = whole; i < n && !nan; i++) {
+    const float value = float(x[i]);
+    if (value > top || std::isnan(value) || i == 0) top = value, first = i, nan = std::isnan(value);
+  }
+  return first;
+}
+
+template <class T>
+at::Tensor argmax_rows(const at::Tensor& x) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor y = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  int64_t* yp = y.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; row++) yp[row] = argmax_row(xp + row * n, n);
+  });
+  return y;
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous(), "few_rows: argmax takes a contiguous tensor");
+  switch (x.scalar_type()) {
+    case at::kBFloat16: return argmax_rows<c10::BFloat16>(x);
+    case at::kFloat: return argmax_rows<float>(x);
+    default: TORCH_CHECK(false, "few_rows: argmax dtype must be bfloat16 or float32, not ", x.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(few_rows, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? factors=None) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("linear", &linear);
   m.impl("attention", &attention);
+  m.impl("argmax", &argmax);
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import InputError, ModelArgs, Transformer, build_few_rows_kernels
+from model import InputError, ModelArgs, Transformer, argmax, build_few_rows_kernels
 from tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -166,10 +166,10 @@ def logits_to_probs(logits, temperature: float = 1.0, top_k: int | None = None, 
 def sample(logits, temperature: float = 0.0, top_k=None, top_p=None):
     """[..., V] logits -> [...] token ids. Greedy at temperature 0; no host synchronization either way."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return argmax(logits)
     probs = logits_to_probs(logits, temperature, top_k, top_p)
     # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race); needs no host sync.
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    return argmax(probs / torch.empty_like(probs).exponential_(1))
 
 
 # ---------------------------------------------------------------- the steps
@@ -234,7 +234,7 @@ class Steps:
             # from plain decoding. Measured on SmolLM2 bf16: no cost (decode 20.0 vs 20.7 ms, verify(5) 33.9 vs 32.8).
             torch._inductor.config.emulate_precision_casts = True
             self.decode = CompiledStep(decode_one_token, device)
-            self.verify = CompiledStep(verify, device)  # one graph per speculate_k
+            self.verify = CompiledStep(verify, device)  # a second speculate_k makes it one graph for any K
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)  # auto: K 1..8
         if compile_prefill:
             self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)

@@ -162,6 +162,26 @@ def test_few_rows_attention_matches_float64_and_attends_each_row_alone(dtype):
         assert torch.equal(alone, by_token[:, :, :, t]), t
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_argmax_is_torch_argmax(dtype):
+    """few_rows.cpp's argmax (greedy decode, verify, the exponential race) gives torch.argmax's index: the first
+    of tied maxima (logits rounded to integers make many ties), the first NaN wherever the maximum is, and index
+    0 for a row of -inf; rows of a vocabulary's length, of fewer than 16 values, and with a tail past the 16s."""
+    import model
+    assert model.build_few_rows_kernels()
+    torch.manual_seed(0)
+    for shape in [(5, 49152), (1, 49152), (3, 7), (2, 3, 45), (4, 16)]:
+        cases = [torch.randn(shape), (torch.randn(shape) * 2).round(), torch.full(shape, float("-inf"))]
+        for nan_at in (0, shape[-1] // 2, shape[-1] - 1):
+            x = (torch.randn(shape) * 2).round()
+            x[..., nan_at] = float("nan")
+            x[..., -1 - nan_at] = float("nan")
+            cases.append(x)
+        for x in cases:
+            x = x.to(dtype)
+            assert torch.equal(model.argmax(x), x.argmax(-1)), shape
+
+
 AVX2_BUILD = """
 import sys, torch
 from torch.utils.cpp_extension import load

@@ -40,7 +40,7 @@ def accept(draft, q, p, u, noise):
 
 
 def verify(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p):
-    """Target forward over [last, d1..dK] and the acceptance rule: the step compiled once per K."""
+    """Target forward over [last, d1..dK] and the acceptance rule: the compiled verify step."""
     logits = model(tokens, input_pos)
     if temperature == 0:
         # accept() with one-hot p and q, without building [B, K+1, V] one-hots (0.8 ms a round on SmolLM2):
@@ -135,7 +135,8 @@ class AdaptiveK:
     tried drafts), the draft step time, and the verify time at each K tried, fitted by a line in K. With one K
     seen, t_verify is taken as constant and this is expected_speedup with c = t_draft / t_verify. The verify
     time matters: on CPUs a (K+1)-token verify costs up to several decode steps (scripts/bench.py column v).
-    Small steps, because under torch.compile every new K costs one more verify graph."""
+    Small steps, though compiling is not what they save: the second K seen turns the compiled verify into one
+    graph for any K (dynamo's automatic dynamic shapes), and no K after it compiles."""
 
     k_max = 8
 

@@ -4,9 +4,9 @@
 // attention over the KV cache; and the argmax of their logits. Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
-// number of rows (a verify then computes the logits a decode would). Each tile converts a few weight rows to
-// float once, in registers, and multiplies them into every input row; a row's sum runs in 16 lanes over k in
-// order, then halves in a fixed tree. GCC/Clang vector extensions, compiled with -march=native; the
+// number of rows (a verify then computes the logits a decode would). Each tile converts one weight row (AVX2) or
+// a few (AVX-512) to float once, in registers, and multiplies them into every input row; a row's sum runs in 16
+// lanes over k in order, then halves in a fixed tree. GCC/Clang vector extensions, compiled with -march=native; the
 // int8/bf16 -> float conversions and the int4 integer dot products use AVX-512 or AVX2 intrinsics where
 // present, plain loops elsewhere.
 #include <ATen/Parallel.h>
@@ -62,7 +62,7 @@ struct f32x16 {
 #if defined(__AVX512F__)
 constexpr int NR = 4;  // weight rows per tile: 4 x 4 accumulators + 4 weights fit 32 registers
 #else
-constexpr int NR = 2;
+constexpr int NR = 2;  // weight rows per task unit; rows() takes them one at a time
 #endif
 constexpr int MR = 4;  // input rows per pass over a tile
 // Software prefetch this far ahead of the weights being read: the tiles are short streams (4 rows of 576
@@ -197,19 +197,19 @@ inline void one_weight_row(const Weight& weight, const float* x, int64_t R, int6
 template <int C, class Weight>
 inline void rows(const Weight& weight, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0, float* y) {
 #if !defined(__AVX512F__)
-  // AVX2, 3-16 rows: one weight row at a time, up to 7 input rows a pass (14 + 2 registers). A 4 x 2 tile took
-  // 20: SmolLM2's 211 products at 5 rows took 26.1 ms (bf16) / 26.4 (int8) that way, 21.8 / 18.8 this way,
-  // against 21.3 / 13.6 at one row (Zen 3, 2 threads, both builds side by side).
-  if (M > 2) {
-    const int64_t passes = (M + 6) / 7;
-    for (int c = 0; c < C; c++)
-      for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
-        r = (M - m) / (passes - p);
-        one_weight_row(weight, x + m * K, r, K, N, n0 + c, y + m * N);
-      }
-    return;
-  }
-#endif
+  // AVX2: one weight row at a time, up to 7 input rows a pass (14 + 2 registers). A 4 x 2 tile took 20: SmolLM2's
+  // 211 products at 5 rows took 26.1 ms (bf16) / 26.4 (int8) that way, 21.8 / 18.8 this way. At 1-2 rows a
+  // 1 x 2 tile fits the registers, but it reads two weight rows side by side, two streams where this reads one:
+  // SmolLM2's compiled decode step, old and new side by side in one process, 26.4 -> 23.0 ms (bf16) and 17.4 ->
+  // 14.6 (int8), bit-identical (Zen 3, 2 threads). Integer dot products (int8 weights times activations rounded
+  // to 8 bits, one row at a time) were no faster than this and cost int8 +0.4% perplexity.
+  const int64_t passes = (M + 6) / 7;
+  for (int c = 0; c < C; c++)
+    for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
+      r = (M - m) / (passes - p);
+      one_weight_row(weight, x + m * K, r, K, N, n0 + c, y + m * N);
+    }
+#else
   // AVX-512, 5-8 rows (a verify): one pass over half as many weight rows, 2 x 8 accumulators (15% faster at 5
   // rows).
   if (C >= 4 && M > MR && M <= 2 * MR) {
@@ -233,6 +233,7 @@ inline void rows(const Weight& weight, const float* x, int64_t M, int64_t K, int
       default: tile<MR, C>(weight, xm, K, N, n0, ym); break;
     }
   }
+#endif
 }
 
 template <class Weight>

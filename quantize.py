@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-from model import InputError, build_few_rows_kernels, few_rows, few_rows_linear
+from model import InputError, build_few_rows_kernels, few_rows, few_rows_linear, many_rows_linear
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
@@ -62,7 +62,7 @@ class Int8Linear(nn.Module):
         if few_rows(x, self.weight):
             y = few_rows_linear(x, self.weight, self.scale_factors)
         elif x.numel() > PACKED_KERNEL_MAX_ROWS * x.shape[-1]:
-            y = F.linear(x, self.dequantize().to(x.dtype))
+            y = many_rows_linear(x, self.dequantize())
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight,
                                                   self.scales.to(x.dtype)).view(*x.shape[:-1], -1)
@@ -163,7 +163,7 @@ class Int4Linear(nn.Module):
                                                           self.scales_and_zeros.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
         else:
-            y = F.linear(x, self.dequantize().to(x.dtype))
+            y = many_rows_linear(x, self.dequantize())
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     # Tensor parallelism (tp.py): groups run along in_features and are never split.

@@ -226,3 +226,20 @@ def test_fp16_few_row_steps_take_pytorch_kernels(tiny):
             logits[dtype] = torch.cat([model(tokens[:, 3:4], torch.tensor([[3]])),  # decode, 1 row
                                        model(tokens[:, 3:], torch.tensor([[3, 4]]))], 1).float()  # 2 rows
     torch.testing.assert_close(logits[torch.float16], logits[torch.float32], rtol=0, atol=0.02)
+
+
+def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
+    """A prompt's products (more than 16 rows) in bf16 on a CPU without native bf16: PyTorch's bf16 GEMM runs
+    ~6x slower there than float32 (a SmolLM2 prefill took 1.4 s), so they are float32 products rounded once to
+    bf16, bit for bit; elsewhere, PyTorch's bf16 GEMM."""
+    import torch.nn.functional as F
+    import model
+    torch.manual_seed(0)
+    layer = model.Linear(576, 256, bias=True).bfloat16()
+    x = torch.randn(40, 576).bfloat16()
+    if model.CPU_GEMM_IN_FLOAT32:
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+    else:
+        expected = F.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)

@@ -188,13 +188,13 @@ def argmax(logits):
     return logits.argmax(-1)
 
 
-# Without native bf16 (AVX2), the CPU runs a 16-bit GEMM ~6x slower than a float32 one, conversions included:
-# 130 x 576 @ 576 x 1728 in bf16 13.1 ms, in float32 1.9 ms. It made a 130-token bf16 prefill of SmolLM2 take 1.2 s.
+# Without native bf16 (AVX2), the CPU runs a 16-bit GEMM ~5-6x slower than a float32 one, conversions included:
+# 130 x 576 @ 576 x 1728 in bf16 13.1 ms, fp16 11.1, float32 1.9-2.2. A 125-token bf16 SmolLM2 prefill took 1.4 s.
 CPU_GEMM_IN_FLOAT32 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def many_rows_linear(x, weight, bias=None):
-    """F.linear for many rows (prefill, eval), in x's dtype: on such a CPU computed in float32 and rounded once."""
+    """F.linear for many rows (a prompt, a batch over 16 rows), in x's dtype: on such a CPU, float32 rounded once."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and CPU_GEMM_IN_FLOAT32
             and not torch.onnx.is_in_onnx_export()):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)

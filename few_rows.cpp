@@ -4,8 +4,8 @@
 // attention over the KV cache; and the argmax of their logits. Built at first use by model.py.
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
-// number of rows (a verify then computes the logits a decode would). Each tile converts one weight row (AVX2) or
-// a few (AVX-512) to float once, in registers, and multiplies them into every input row; a row's sum runs in 16
+// number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
+// once, in registers, and multiplies it into every input row; a row's sum runs in 16
 // lanes over k in order, then halves in a fixed tree. GCC/Clang vector extensions, compiled with -march=native; the
 // int8/bf16 -> float conversions and the int4 integer dot products use AVX-512 or AVX2 intrinsics where
 // present, plain loops elsewhere.
@@ -59,14 +59,8 @@ struct f32x16 {
   }
 };
 
-#if defined(__AVX512F__)
-constexpr int NR = 4;  // weight rows per tile: 4 x 4 accumulators + 4 weights fit 32 registers
-#else
-constexpr int NR = 2;  // weight rows per task unit; rows() takes them one at a time
-#endif
-constexpr int MR = 4;  // input rows per pass over a tile
-// Software prefetch this far ahead of the weights being read: the tiles are short streams (4 rows of 576
-// weights) that the hardware prefetcher alone leaves at ~14 GB/s on two cores; with it, ~21.
+// Software prefetch this far ahead of the weights being read: the tiles are short streams (rows of 576
+// weights) that the hardware prefetcher alone leaves at ~14 GB/s on two cores; with it, ~21 (Zen 3).
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 inline f32x16 load(const float* p) {
@@ -138,9 +132,16 @@ struct DenseWeight {
 // Inlined by force: as a call, the struct argument made GCC keep the accumulators on the stack during the
 // whole tile loop, a store-to-load round trip in every FMA chain (AVX2 on Zen 3: 1-row int8 products 2x slower).
 __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // The tree below, kept in registers: through the stack it made 5-row products 18% slower (AVX2, Zen 3).
+#if defined(__AVX2__)
+  // The tree below, kept in registers: through the stack it made 5-row products 18% slower (AVX2, Zen 3), and
+  // 1-row ones 5-10% (AVX-512, Zen 4).
+#if defined(__AVX512F__)
+  const __m512 all = (__m512)v.part[0];
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1));
+  const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(all), high);
+#else
   const __m256 h8 = _mm256_add_ps((__m256)v.part[0], (__m256)v.part[1]);
+#endif
   const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
   const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
   const __m128 h1 = _mm_add_ss(h2, _mm_movehdup_ps(h2));
@@ -154,86 +155,48 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 #endif
 }
 
+// R = 1..7 input rows times weight row n, in one pass over the row: it streams one row of weights at a time.
+// Reading several weight rows side by side (a 4-row tile on AVX-512, 2 on AVX2) was slower on both AMD CPUs
+// measured: SmolLM2's products, 4 weight rows side by side vs one at a time, same process, bit-identical (Zen 4,
+// AVX-512, 2 threads), at 1 row: bf16 13.35 -> 7.73 ms, int8 7.52 -> 4.95; at 5 rows 15.87 -> 14.30 and 11.77 -> 10.43 (the
+// Xeon that chose the 4-row tile is not at hand to re-measure). Zen 3 (AVX2): decode steps 26.4 -> 23.0 ms
+// (bf16), 17.4 -> 14.6 (int8). A second accumulator per row (32 lanes) was no faster on Zen 4 or Zen 3.
+// Registers: R accumulators and one converted weight vector, 16 lanes each (AVX2: 14 + 2 of its 16).
 // Not inlined: inlined into product's parallel loop, GCC kept the accumulators on the stack, a store and a load
 // in every FMA chain (measured no slower on Zen 3, whose memory renaming hides that round trip; not every CPU
 // has it). The explicit zeroing, unlike `= {}`, does not clear a stack copy with `rep stos` at every call.
-template <int R, int C, class Weight>
-__attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n0, float* y) {
-  f32x16 acc[R][C];
+template <int R, class Weight>
+__attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n, float* y) {
+  f32x16 acc[R];
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++)
-      for (int h = 0; h < L / W; h++) acc[r][c].part[h] = native{};
-  decltype(weight.row(0)) row[C];
-  for (int c = 0; c < C; c++) row[c] = weight.row(n0 + c);
+    for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
+  const auto row = weight.row(n);
   for (int64_t k = 0; k < K; k += L) {
-    f32x16 w[C];
-    for (int c = 0; c < C; c++) w[c] = row[c](k);
-    for (int c = 0; c < C; c++) row[c].prefetch(k);
-    for (int r = 0; r < R; r++) {
-      f32x16 xv = load(x + r * K + k);
-      for (int c = 0; c < C; c++) acc[r][c] += xv * w[c];
-    }
+    const f32x16 w = row(k);
+    row.prefetch(k);
+    for (int r = 0; r < R; r++) acc[r] += load(x + r * K + k) * w;
   }
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) y[r * N + n0 + c] = row[c].finish(sum_lanes(acc[r][c]));
+  for (int r = 0; r < R; r++) y[r * N + n] = row.finish(sum_lanes(acc[r]));
 }
 
-// One pass of R = 1..7 input rows over weight row n.
+// Weight row n times the M input rows, 7 rows a pass at most.
 template <class Weight>
-inline void one_weight_row(const Weight& weight, const float* x, int64_t R, int64_t K, int64_t N, int64_t n, float* y) {
-  switch (R) {
-    case 1: tile<1, 1>(weight, x, K, N, n, y); break;
-    case 2: tile<2, 1>(weight, x, K, N, n, y); break;
-    case 3: tile<3, 1>(weight, x, K, N, n, y); break;
-    case 4: tile<4, 1>(weight, x, K, N, n, y); break;
-    case 5: tile<5, 1>(weight, x, K, N, n, y); break;
-    case 6: tile<6, 1>(weight, x, K, N, n, y); break;
-    default: tile<7, 1>(weight, x, K, N, n, y); break;
-  }
-}
-
-// The tile shapes keep every accumulator and converted weight in a register: spilled, each FMA chain goes
-// through the stack. AVX-512 has 32 registers of 16 lanes; AVX2 16 registers, two per 16-lane value.
-template <int C, class Weight>
-inline void rows(const Weight& weight, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0, float* y) {
-#if !defined(__AVX512F__)
-  // AVX2: one weight row at a time, up to 7 input rows a pass (14 + 2 registers). A 4 x 2 tile took 20: SmolLM2's
-  // 211 products at 5 rows took 26.1 ms (bf16) / 26.4 (int8) that way, 21.8 / 18.8 this way. At 1-2 rows a
-  // 1 x 2 tile fits the registers, but it reads two weight rows side by side, two streams where this reads one:
-  // SmolLM2's compiled decode step, old and new side by side in one process, 26.4 -> 23.0 ms (bf16) and 17.4 ->
-  // 14.6 (int8), bit-identical (Zen 3, 2 threads). Integer dot products (int8 weights times activations rounded
-  // to 8 bits, one row at a time) were no faster than this and cost int8 +0.4% perplexity.
+inline void rows(const Weight& weight, const float* x, int64_t M, int64_t K, int64_t N, int64_t n, float* y) {
   const int64_t passes = (M + 6) / 7;
-  for (int c = 0; c < C; c++)
-    for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
-      r = (M - m) / (passes - p);
-      one_weight_row(weight, x + m * K, r, K, N, n0 + c, y + m * N);
-    }
-#else
-  // AVX-512, 5-8 rows (a verify): one pass over half as many weight rows, 2 x 8 accumulators (15% faster at 5
-  // rows).
-  if (C >= 4 && M > MR && M <= 2 * MR) {
-    for (int64_t half = 0; half < C; half += C / 2) {
-      switch (M) {
-        case 5: tile<5, C / 2>(weight, x, K, N, n0 + half, y); break;
-        case 6: tile<6, C / 2>(weight, x, K, N, n0 + half, y); break;
-        case 7: tile<7, C / 2>(weight, x, K, N, n0 + half, y); break;
-        default: tile<8, C / 2>(weight, x, K, N, n0 + half, y); break;
-      }
-    }
-    return;
-  }
-  for (int64_t m = 0; m < M; m += MR) {
+  for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
+    r = (M - m) / (passes - p);
     const float* xm = x + m * K;
     float* ym = y + m * N;
-    switch (M - m < MR ? M - m : MR) {
-      case 1: tile<1, C>(weight, xm, K, N, n0, ym); break;
-      case 2: tile<2, C>(weight, xm, K, N, n0, ym); break;
-      case 3: tile<3, C>(weight, xm, K, N, n0, ym); break;
-      default: tile<MR, C>(weight, xm, K, N, n0, ym); break;
+    switch (r) {
+      case 1: tile<1>(weight, xm, K, N, n, ym); break;
+      case 2: tile<2>(weight, xm, K, N, n, ym); break;
+      case 3: tile<3>(weight, xm, K, N, n, ym); break;
+      case 4: tile<4>(weight, xm, K, N, n, ym); break;
+      case 5: tile<5>(weight, xm, K, N, n, ym); break;
+      case 6: tile<6>(weight, xm, K, N, n, ym); break;
+      default: tile<7>(weight, xm, K, N, n, ym); break;
     }
   }
-#endif
 }
 
 template <class Weight>
@@ -242,17 +205,9 @@ at::Tensor product(const Weight& weight, const at::Tensor& x, int64_t N) {
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = N / NR;
-  // ~64 KB of weights per task: big enough to amortize scheduling, small enough to balance two cores.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (K * NR));
-  at::parallel_for(0, tiles + (N % NR != 0), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      if (t < tiles) {
-        rows<NR>(weight, xp, M, K, N, t * NR, yp);
-      } else {
-        for (int64_t n = tiles * NR; n < N; n++) rows<1>(weight, xp, M, K, N, n, yp);
-      }
-    }
+  // ~64 KB of int8 weights per task: big enough to amortize scheduling, small enough to balance two cores.
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) rows(weight, xp, M, K, N, n, yp);
   });
   return y;
 }
@@ -305,7 +260,8 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
       sum += code;
     }
     r.d[b] = d;
-    r.group_sums[b / per_group] += d * float(sum);  // blocks of a group in order
+    float& group_sum = r.group_sums[b / per_group];  // blocks of a group in order
+    group_sum = std::fma(d, float(sum), group_sum);
   }
   return r;
 }
@@ -361,7 +317,9 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
         sum += float(dot) * (g[c][2 * (k >> shift)] * a.d[(m0 + r) * (K / 32) + k / 32]);
       }
 #endif
-      for (int64_t group = 0; group < G; group++) sum += g[c][2 * group + 1] * a.group_sums[(m0 + r) * G + group];
+      // std::fma here and in round_rows: left to the compiler, a multiply-add was fused in one build and not in
+      // the other (AVX2 vs Zen 4's AVX-512 build: outputs 1 ulp apart).
+      for (int64_t group = 0; group < G; group++) sum = std::fma(g[c][2 * group + 1], a.group_sums[(m0 + r) * G + group], sum);
       y[(m0 + r) * N + n0 + c] = sum;
     }
 }

@@ -129,6 +129,89 @@ struct DenseWeight {
   Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
 };
 
+// bf16 weights (without block factors) against the activations rounded to bf16, which a bf16 model's already
+// are, multiplied in pairs: lane i of 16 adds the exact products of elements 2i + 1, then 2i, of each 32 along
+// k, each with one rounding (a fused multiply-add). That is AVX512_BF16's vdpbf16ps, one instruction per 32
+// weights and input row, where converting the weights and two FMAs took three (Zen 4 runs a 512-bit FMA as two
+// halves): see tile(Bf16Pairs). Other CPUs get the same sums from the halves of each 32-bit pair, the high bf16
+// being the word with its low half cleared and the low one the word shifted up 16. (The instruction also flushes
+// denormal operands and results to zero; the two agree unless a weight, an input or a partial sum is below
+// 1.2e-38 in magnitude.)
+template <Factors F>  // None or Rows
+struct Bf16Pairs {
+  const uint32_t* w;  // [N, K / 2] pairs
+  const float* factors;
+  float finish(int64_t n, float sum) const { return F == Rows ? sum * factors[n] : sum; }
+};
+
+inline uint16_t round_to_bf16(float v) {  // nearest, ties to even; NaN stays NaN
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  if ((b & 0x7fffffff) > 0x7f800000) return uint16_t((b >> 16) | 0x40);
+  return uint16_t((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+
+inline float bf16_value(uint32_t bits16) {
+  const uint32_t b = bits16 << 16;
+  float v;
+  std::memcpy(&v, &b, 4);
+  return v;
+}
+
+// The input rows [M, K] as tile(Bf16Pairs) reads them: bf16 in order for vdpbf16ps; elsewhere floats, each 32
+// along k stored as its 16 odd elements, then its 16 even ones (lane i: elements 2i + 1 and 2i).
+// In a tensor, for its 64-byte alignment: with a vector's 16, every 64-byte load of x straddled two cache lines and
+// 5-row products took ~1.5x as long (Zen 4).
+#if defined(__AVX512BF16__)
+typedef uint16_t PairInput;
+constexpr auto kPairInput = at::kBFloat16;
+#else
+typedef float PairInput;
+constexpr auto kPairInput = at::kFloat;
+#endif
+at::Tensor pair_inputs(const float* x, int64_t M, int64_t K) {
+  at::Tensor buffer = at::empty({M * K}, at::TensorOptions().dtype(kPairInput));
+  PairInput* out = reinterpret_cast<PairInput*>(buffer.data_ptr());
+#if defined(__AVX512BF16__)  // the same rounding, 32 at a time (denormals flushed to zero, as in vdpbf16ps)
+  for (int64_t i = 0; i < M * K; i += 2 * L)
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + L), _mm512_loadu_ps(x + i)));
+  return buffer;
+#endif
+  for (int64_t i = 0; i < M * K; i += 2 * L)
+    for (int j = 0; j < L; j++) {
+      const uint16_t even = round_to_bf16(x[i + 2 * j]), odd = round_to_bf16(x[i + 2 * j + 1]);
+#if defined(__AVX512BF16__)
+      out[i + 2 * j] = even, out[i + 2 * j + 1] = odd;
+#else
+      out[i + j] = bf16_value(odd), out[i + L + j] = bf16_value(even);
+#endif
+    }
+  return buffer;
+}
+
+#if !defined(__AVX512BF16__)
+// The 16 high (odd) or low (even) bf16 of 16 pairs, as floats.
+inline f32x16 pair_halves(const uint32_t* p, bool high) {
+  f32x16 v;
+#if defined(__AVX512F__)
+  const __m512i words = _mm512_loadu_si512(p);
+  v.part[0] = (native)(high ? _mm512_and_si512(words, _mm512_set1_epi32(int(0xffff0000))) : _mm512_slli_epi32(words, 16));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; h++) {
+    const __m256i words = _mm256_loadu_si256((const __m256i*)(p + 8 * h));
+    v.part[h] = (native)(high ? _mm256_and_si256(words, _mm256_set1_epi32(int(0xffff0000))) : _mm256_slli_epi32(words, 16));
+  }
+#else
+  for (int j = 0; j < L; j++) {
+    uint32_t word;
+    std::memcpy(&word, p + j, 4);
+    v.part[j / W][j % W] = bf16_value(high ? word >> 16 : word & 0xffff);
+  }
+#endif
+  return v;
+}
+#endif
+
 // Inlined by force: as a call, the struct argument made GCC keep the accumulators on the stack during the
 // whole tile loop, a store-to-load round trip in every FMA chain (AVX2 on Zen 3: 1-row int8 products 2x slower).
 __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
@@ -155,7 +238,7 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 #endif
 }
 
-// R = 1..7 input rows times weight row n, in one pass over the row: it streams one row of weights at a time.
+// R = 1..7 input rows times weight rows n0 .. n1 - 1, one pass over each row: it streams one row of weights at a time.
 // Reading several weight rows side by side (a 4-row tile on AVX-512, 2 on AVX2) was slower on both AMD CPUs
 // measured: SmolLM2's products, 4 weight rows side by side vs one at a time, same process, bit-identical (Zen 4,
 // AVX-512, 2 threads), at 1 row: bf16 13.35 -> 7.73 ms, int8 7.52 -> 4.95; at 5 rows 15.87 -> 14.30 and 11.77 -> 10.43 (the
@@ -166,48 +249,83 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 // in every FMA chain (measured no slower on Zen 3, whose memory renaming hides that round trip; not every CPU
 // has it). The explicit zeroing, unlike `= {}`, does not clear a stack copy with `rep stos` at every call.
 template <int R, class Weight>
-__attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n, float* y) {
-  f32x16 acc[R];
-  for (int r = 0; r < R; r++)
-    for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
-  const auto row = weight.row(n);
-  for (int64_t k = 0; k < K; k += L) {
-    const f32x16 w = row(k);
-    row.prefetch(k);
-    for (int r = 0; r < R; r++) acc[r] += load(x + r * K + k) * w;
+__attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                                    float* y) {
+  for (int64_t n = n0; n < n1; n++) {
+    f32x16 acc[R];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
+    const auto row = weight.row(n);
+    for (int64_t k = 0; k < K; k += L) {
+      const f32x16 w = row(k);
+      row.prefetch(k);
+      for (int r = 0; r < R; r++) acc[r] += load(x + r * K + k) * w;
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = row.finish(sum_lanes(acc[r]));
   }
-  for (int r = 0; r < R; r++) y[r * N + n] = row.finish(sum_lanes(acc[r]));
 }
 
-// Weight row n times the M input rows, 7 rows a pass at most.
-template <class Weight>
-inline void rows(const Weight& weight, const float* x, int64_t M, int64_t K, int64_t N, int64_t n, float* y) {
+// The same for bf16 pairs (Bf16Pairs), x from pair_inputs: 32 weights a step. On Zen 4, against converting each
+// weight to float, same process: a 5-row product over a 113 MB weight 11.0 -> 6.4 ms on one thread (1 row: 6.6 ->
+// 6.5, bound by memory); SmolLM2's 121 bf16 products on 2 threads at 1 / 2 / 5 rows 10.6 / 14.0 / 15.6 -> 9.8 /
+// 11.1 / 14.0 ms (with the 16 weight rows a call of product()).
+template <int R, Factors F>
+__attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
+                                    int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; n++) {
+    f32x16 acc[R];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
+    const uint32_t* pairs = weight.w + n * (K / 2);
+    for (int64_t k = 0; k < K; k += 2 * L) {
+      const uint32_t* p = pairs + k / 2;
+      __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES);
+#if defined(__AVX512BF16__)
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(p);
+      for (int r = 0; r < R; r++)
+        acc[r].part[0] = (native)_mm512_dpbf16_ps((__m512)acc[r].part[0], w, (__m512bh)_mm512_loadu_si512(x + r * K + k));
+#else
+      const f32x16 high = pair_halves(p, true), low = pair_halves(p, false);
+      for (int r = 0; r < R; r++) {
+        acc[r] += load(x + r * K + k) * high;
+        acc[r] += load(x + r * K + k + L) * low;
+      }
+#endif
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = weight.finish(n, sum_lanes(acc[r]));
+  }
+}
+
+// Weight rows n0 .. n1 - 1 times the M input rows, 7 rows a pass at most.
+template <class Weight, class X>
+inline void rows(const Weight& weight, const X* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t passes = (M + 6) / 7;
   for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
     r = (M - m) / (passes - p);
-    const float* xm = x + m * K;
+    const X* xm = x + m * K;
     float* ym = y + m * N;
     switch (r) {
-      case 1: tile<1>(weight, xm, K, N, n, ym); break;
-      case 2: tile<2>(weight, xm, K, N, n, ym); break;
-      case 3: tile<3>(weight, xm, K, N, n, ym); break;
-      case 4: tile<4>(weight, xm, K, N, n, ym); break;
-      case 5: tile<5>(weight, xm, K, N, n, ym); break;
-      case 6: tile<6>(weight, xm, K, N, n, ym); break;
-      default: tile<7>(weight, xm, K, N, n, ym); break;
+      case 1: tile<1>(weight, xm, K, N, n0, n1, ym); break;
+      case 2: tile<2>(weight, xm, K, N, n0, n1, ym); break;
+      case 3: tile<3>(weight, xm, K, N, n0, n1, ym); break;
+      case 4: tile<4>(weight, xm, K, N, n0, n1, ym); break;
+      case 5: tile<5>(weight, xm, K, N, n0, n1, ym); break;
+      case 6: tile<6>(weight, xm, K, N, n0, n1, ym); break;
+      default: tile<7>(weight, xm, K, N, n0, n1, ym); break;
     }
   }
 }
 
-template <class Weight>
-at::Tensor product(const Weight& weight, const at::Tensor& x, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+// x: [M, K], floats, or what tile() takes for this Weight.
+template <class Weight, class X>
+at::Tensor product(const Weight& weight, const X* xp, int64_t M, int64_t K, int64_t N) {
+  at::Tensor y = at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   // ~64 KB of int8 weights per task: big enough to amortize scheduling, small enough to balance two cores.
+  // A call per 16 weight rows: a 5-row pass over one weight row is short enough that the call around it cost
+  // ~1/3 (bf16 pairs, Zen 4); a pass over 16 rows of weights leaves them in cache for the next pass.
   at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; n++) rows(weight, xp, M, K, N, n, yp);
+    for (int64_t n = begin; n < end; n += 16) rows(weight, xp, M, K, N, n, std::min(n + 16, end), yp);
   });
   return y;
 }
@@ -363,15 +481,28 @@ at::Tensor int4(const at::Tensor& x, const at::Tensor& w, const std::optional<at
 
 template <class T>
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
-  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   const T* codes = reinterpret_cast<const T*>(w.data_ptr());
-  if (!factors) return product(DenseWeight<T, None>{codes, nullptr, K, 0, 0}, x, N);
+  const float* xp = x.data_ptr<float>();
+  if (!factors) return product(DenseWeight<T, None>{codes, nullptr, K, 0, 0}, xp, M, K, N);
   TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
               "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
   const int64_t per_row = factors->numel() / N;
-  if (per_row == 1) return product(DenseWeight<T, Rows>{codes, factors->data_ptr<float>(), K, 1, 0}, x, N);
+  if (per_row == 1) return product(DenseWeight<T, Rows>{codes, factors->data_ptr<float>(), K, 1, 0}, xp, M, K, N);
   return product(DenseWeight<T, Blocks>{codes, factors->data_ptr<float>(), K, per_row,
-                                        block_shift(K, per_row, "factors")}, x, N);
+                                        block_shift(K, per_row, "factors")}, xp, M, K, N);
+}
+
+// bf16 weights: in pairs (Bf16Pairs) when no block factor scales them and K is a multiple of 32.
+at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<uint16_t>(x, w, factors);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.data_ptr());
+  const at::Tensor inputs = pair_inputs(x.data_ptr<float>(), M, K);
+  const PairInput* xp = reinterpret_cast<const PairInput*>(inputs.data_ptr());
+  if (!factors) return product(Bf16Pairs<None>{pairs, nullptr}, xp, M, K, N);
+  TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous(), "few_rows: factors must be contiguous float32");
+  return product(Bf16Pairs<Rows>{pairs, factors->data_ptr<float>()}, xp, M, K, N);
 }
 
 // x [M, K] @ w.T; w [N, K] (bf16, fp32, int8 times factors) or uint8 [N, K / 2] (int4 codes, see tile_int4).
@@ -380,7 +511,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   if (w.scalar_type() == at::kByte) return int4(x, w, factors);
   check_rows(x, w.size(1));
   switch (w.scalar_type()) {
-    case at::kBFloat16: return dense<uint16_t>(x, w, factors);
+    case at::kBFloat16: return bf16(x, w, factors);
     case at::kFloat: return dense<float>(x, w, factors);
     case at::kChar: return dense<int8_t>(x, w, factors);
     default: TORCH_CHECK(false, "few_rows: weight dtype must be bfloat16, float32, int8 or uint8 (int4), not ", w.scalar_type());

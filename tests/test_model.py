@@ -79,7 +79,8 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
 
 def few_rows_cases():
     """Each weight layout few_rows.cpp reads: (product of x [M, 1536], the float weight it stands for, the inputs
-    it multiplies: x itself, or for int4 x rounded to 8 bits per block of 32)."""
+    it multiplies: x itself, x rounded to bf16 for bf16 weights without block factors, or for int4 x rounded to 8
+    bits per block of 32)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 4-row tile
     w = torch.randn(n, k)
@@ -95,7 +96,11 @@ def few_rows_cases():
     same = lambda x: x  # noqa: E731
     return x, {
         "fp32": (lambda x: torch.ops.few_rows.linear(x, w), w, same),
-        "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float(), same),
+        # bf16 weights multiply the inputs rounded to bf16 (a bf16 model's are already), in pairs (vdpbf16ps)
+        "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float(),
+                 lambda x: x.bfloat16().float()),
+        "bf16 x channel": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16(), per_channel),
+                           w.bfloat16().float() * per_channel[:, None], lambda x: x.bfloat16().float()),
         "bf16 x block": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16(), per_block),
                          w.bfloat16().float() * per_block.repeat_interleave(32, 1), same),
         "int8 x channel": (lambda x: torch.ops.few_rows.linear(x, codes, per_channel), codes * per_channel[:, None],

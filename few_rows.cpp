@@ -5,10 +5,10 @@
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
-// once, in registers, and multiplies it into every input row; a row's sum runs in 16
-// lanes over k in order, then halves in a fixed tree. GCC/Clang vector extensions, compiled with -march=native; the
-// int8/bf16 -> float conversions and the int4 integer dot products use AVX-512 or AVX2 intrinsics where
-// present, plain loops elsewhere.
+// once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order
+// (bf16: a pair of elements a lane at a time, see Bf16Pairs), then halves in a fixed tree. GCC/Clang vector
+// extensions, compiled with -march=native; the int8/bf16 -> float conversions, the bf16 pairs and the int4
+// integer dot products use AVX-512 (BF16) or AVX2 intrinsics where present, plain loops elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -501,7 +501,8 @@ at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const at::Tensor inputs = pair_inputs(x.data_ptr<float>(), M, K);
   const PairInput* xp = reinterpret_cast<const PairInput*>(inputs.data_ptr());
   if (!factors) return product(Bf16Pairs<None>{pairs, nullptr}, xp, M, K, N);
-  TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous(), "few_rows: factors must be contiguous float32");
+  TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
+              "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
   return product(Bf16Pairs<Rows>{pairs, factors->data_ptr<float>()}, xp, M, K, N);
 }
 

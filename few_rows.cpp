@@ -172,20 +172,16 @@ constexpr auto kPairInput = at::kFloat;
 at::Tensor pair_inputs(const float* x, int64_t M, int64_t K) {
   at::Tensor buffer = at::empty({M * K}, at::TensorOptions().dtype(kPairInput));
   PairInput* out = reinterpret_cast<PairInput*>(buffer.data_ptr());
-#if defined(__AVX512BF16__)  // the same rounding, 32 at a time (denormals flushed to zero, as in vdpbf16ps)
+#if defined(__AVX512BF16__)  // nearest, ties to even, 32 at a time (denormals flushed to zero, as in vdpbf16ps)
   for (int64_t i = 0; i < M * K; i += 2 * L)
     _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + L), _mm512_loadu_ps(x + i)));
-  return buffer;
-#endif
+#else
   for (int64_t i = 0; i < M * K; i += 2 * L)
     for (int j = 0; j < L; j++) {
-      const uint16_t even = round_to_bf16(x[i + 2 * j]), odd = round_to_bf16(x[i + 2 * j + 1]);
-#if defined(__AVX512BF16__)
-      out[i + 2 * j] = even, out[i + 2 * j + 1] = odd;
-#else
-      out[i + j] = bf16_value(odd), out[i + L + j] = bf16_value(even);
-#endif
+      out[i + j] = bf16_value(round_to_bf16(x[i + 2 * j + 1]));
+      out[i + L + j] = bf16_value(round_to_bf16(x[i + 2 * j]));
     }
+#endif
   return buffer;
 }
 

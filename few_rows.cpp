@@ -241,6 +241,8 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 // Xeon that chose the 4-row tile is not at hand to re-measure). Zen 3 (AVX2): decode steps 26.4 -> 23.0 ms
 // (bf16), 17.4 -> 14.6 (int8). A second accumulator per row (32 lanes) was no faster on Zen 4 or Zen 3.
 // Registers: R accumulators and one converted weight vector, 16 lanes each (AVX2: 14 + 2 of its 16).
+// (Integer dot products, int8 weights times activations rounded to 8 bits, were no faster on Zen 3 and cost
+// int8 +0.4% perplexity.)
 // Not inlined: inlined into product's parallel loop, GCC kept the accumulators on the stack, a store and a load
 // in every FMA chain (measured no slower on Zen 3, whose memory renaming hides that round trip; not every CPU
 // has it). The explicit zeroing, unlike `= {}`, does not clear a stack copy with `rep stos` at every call.

@@ -82,7 +82,7 @@ def few_rows_cases():
     it multiplies: x itself, x rounded to bf16 for bf16 weights without block factors, or for int4 x rounded to 8
     bits per block of 32)."""
     torch.manual_seed(0)
-    n, k = 203, 1536  # n not a multiple of the 4-row tile
+    n, k = 203, 1536  # n not a multiple of the 16 weight rows product() hands each tile call
     w = torch.randn(n, k)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     per_channel, per_block = torch.rand(n) + 0.5, torch.rand(n, k // 32) + 0.5

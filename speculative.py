@@ -64,8 +64,9 @@ class ModelDrafter:
 
     def __init__(self, model, compile=False):
         self.model = model
-        self.step = CompiledStep(self._step) if compile else self._step
-        self.catch_up_step = CompiledStep(self._step) if compile else self._step
+        device = model.tok_embeddings.weight.device
+        self.step = CompiledStep(self._step, device) if compile else self._step
+        self.catch_up_step = CompiledStep(self._step, device) if compile else self._step
 
     @staticmethod
     def _step(model, tokens, input_pos, temperature, top_k, top_p):

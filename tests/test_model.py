@@ -101,6 +101,9 @@ def few_rows_cases():
                  lambda x: x.bfloat16().float()),
         "bf16 x channel": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16(), per_channel),
                            w.bfloat16().float() * per_channel[:, None], lambda x: x.bfloat16().float()),
+        # in_features not a multiple of 32: no pairs, each bf16 weight to float times x itself
+        "bf16, K % 32 = 16": (lambda x: torch.ops.few_rows.linear(x[:, :-16].contiguous(), w[:, :-16].bfloat16()),
+                              w[:, :-16].bfloat16().float(), lambda x: x[:, :-16]),
         "bf16 x block": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16(), per_block),
                          w.bfloat16().float() * per_block.repeat_interleave(32, 1), same),
         "int8 x channel": (lambda x: torch.ops.few_rows.linear(x, codes, per_channel), codes * per_channel[:, None],

@@ -8,8 +8,9 @@ is installed, spec-* rows speculate (spec-MODE: the target drafted by its own qu
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
 cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
 --max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
-hold even when the absolute speed does not. Reported: decode tok/s (median; prefill excluded), bytes of weights
-read per token x tok/s as % of the memory bandwidth this script measures itself, and the ratio to the first row.
+hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
+token x tok/s as % of the memory bandwidth this script measures itself, the ratio of medians to the first row,
+and the range of the ratios turn by turn (a VM's drift does not reach all rows alike even within seconds).
 """
 import argparse
 import gzip
@@ -210,15 +211,19 @@ def main(argv=None):
                 rates[j].append(rate)
                 stats[j].append(row_stats)
     first = statistics.median(rates[0])
-    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'compile s':>9} | same tokens |")
-    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 11}|-------------|")
+    # Each turn (a prompt and a run) times every row within seconds: its ratios show the drift the median hides.
+    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
+          f"{'compile s':>9} | same tokens |")
+    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
     spec_lines = []
     for j, (name, row_bytes, warm, _, compiled) in enumerate(setups):
         rate = statistics.median(rates[j])
         same = sum(a == b for a, b in zip(outputs[j], outputs[0]))
         compile_s = f"{warm:.1f}" if compiled else "-"
+        turns = [a / b for a, b in zip(rates[j], rates[0])]
         print(f"| {name:<24} | {rate:7.2f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
-              f"{rate / first:7.2f}x | {compile_s:>9} | {same}/{len(prompts)} |", flush=True)
+              f"{rate / first:7.2f}x | {f'{min(turns):.2f}-{max(turns):.2f}x':>11} | {compile_s:>9} | "
+              f"{same}/{len(prompts)} |", flush=True)
         if "alpha" in stats[j][0]:
             alpha = statistics.mean(s["alpha"] for s in stats[j])
             c = statistics.mean(s["draft_cost_ratio"] for s in stats[j])

@@ -10,7 +10,7 @@ cache). Then the rows take turns: for each prompt and each of --runs runs, every
 --max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
 hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
 token x tok/s as % of the memory bandwidth this script measures itself, the ratio of medians to the first row,
-and the range of the ratios turn by turn (a VM's drift does not reach all rows alike even within seconds).
+and the range of the ratios turn by turn (how far the rows drift apart within the run).
 """
 import argparse
 import gzip

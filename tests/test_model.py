@@ -78,9 +78,9 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
 
 
 def few_rows_cases():
-    """Each weight layout few_rows.cpp reads: (product of x [M, 1536], the float weight it stands for, the inputs
-    it multiplies: x itself, x rounded to bf16 for bf16 weights without block factors, or for int4 x rounded to 8
-    bits per block of 32)."""
+    """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (one case: its first 1520 columns), the
+    float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16 weights without
+    block factors when in_features is a multiple of 32, or for int4 x rounded to 8 bits per block of 32)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 16 weight rows product() hands each tile call
     w = torch.randn(n, k)

@@ -115,10 +115,14 @@ def few_rows_cases():
     }
 
 
-def attention_inputs(dtype):
-    """q [B, H_kv, G * T, D] (3 query heads per KV head, T = 5 tokens), a 64-slot cache, positions [B, T]."""
+ATTENTION_GROUPS = (1, 3, 5)  # query heads per KV head: the kernel takes a token's heads 3 at a time (AVX-512)
+
+
+def attention_inputs(dtype, groups=3):
+    """q [B, H_kv, G * T, D] (G query heads per KV head, T = 5 tokens), a 63-slot cache, positions [B, T] up to
+    its last slot (whose keys the kernel reads 4 slots at a time: 60..62 are the ragged end)."""
     torch.manual_seed(1)
-    q, k, v = (torch.randn(2, 3, n, 64).to(dtype) for n in (15, 64, 64))
+    q, k, v = (torch.randn(2, 3, n, 64).to(dtype) for n in (groups * 5, 63, 63))
     return q, k, v, torch.tensor([[10, 11, 12, 13, 14], [58, 59, 60, 61, 62]])
 
 
@@ -127,7 +131,8 @@ def few_rows_outputs():
     outputs = {(name, rows): product(x[:rows].contiguous()) for name, (product, _, _) in cases.items()
                for rows in (1, 5, 16)}
     for dtype in (torch.float32, torch.bfloat16):
-        outputs["attention", str(dtype)] = torch.ops.few_rows.attention(*attention_inputs(dtype))
+        for groups in ATTENTION_GROUPS:
+            outputs["attention", str(dtype), groups] = torch.ops.few_rows.attention(*attention_inputs(dtype, groups))
     return outputs
 
 
@@ -149,23 +154,24 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
+@pytest.mark.parametrize("groups", ATTENTION_GROUPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_few_rows_attention_matches_float64_and_attends_each_row_alone(dtype):
+def test_few_rows_attention_matches_float64_and_attends_each_row_alone(dtype, groups):
     """few_rows.cpp's attention over the cache: within float32 rounding (plus, in bf16, the output's rounding,
     at most 2^-8 relative) of float64 attention with the mask slot <= position, and each token's rows are
     bit-identical when that token is attended alone (a verify attends as a decode step would)."""
     import torch.nn.functional as F
     import model
     assert model.build_few_rows_kernels()
-    q, k, v, positions = attention_inputs(dtype)
+    q, k, v, positions = attention_inputs(dtype, groups)
     y = torch.ops.few_rows.attention(q, k, v, positions)
-    mask = (torch.arange(64) <= positions[:, None, :, None]).repeat(1, 1, 3, 1)
+    mask = (torch.arange(63) <= positions[:, None, :, None]).repeat(1, 1, groups, 1)
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
     bound = expected.abs() * (2**-8 if dtype == torch.bfloat16 else 0) + 1e-5
     assert ((y.double() - expected).abs() <= bound).all()
-    by_token = y.view(2, 3, 3, 5, 64)
+    by_token = y.view(2, 3, groups, 5, 64)
     for t in range(5):
-        alone = torch.ops.few_rows.attention(q.view(2, 3, 3, 5, 64)[:, :, :, t].contiguous(), k, v,
+        alone = torch.ops.few_rows.attention(q.view(2, 3, groups, 5, 64)[:, :, :, t].contiguous(), k, v,
                                              positions[:, t:t + 1].contiguous())
         assert torch.equal(alone, by_token[:, :, :, t]), t
 

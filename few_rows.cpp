@@ -670,7 +670,8 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float root = std::sqrt(float(D));
   const int64_t groups = R / tokens;  // query heads per KV head; row g * tokens + t is token t of head g
-  // A task per KV head and token: a verify's 5 tokens x 3 heads split evenly over 2 threads, where 3 heads did not.
+  // A task per KV head and token: a verify's 15 (5 tokens x 3 KV heads) split 8 / 7 over 2 threads, where the
+  // 3 KV heads alone split 2 / 1.
   at::parallel_for(0, B * H * tokens, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(ROW_BLOCK * D), scores, out(ROW_BLOCK * D);
     for (int64_t job = begin; job < end; job++) {

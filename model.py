@@ -150,7 +150,7 @@ def build_few_rows_kernels():
         few_rows_kernels = False
         return False
     # Shapes for torch.compile, which traces without running the kernels.
-    def rows_by_outputs(x, weight, factors=None):
+    def rows_by_outputs(x, weight, factors=None, table=None):
         return x.new_empty(x.shape[0], weight.shape[0])
     torch.library.register_fake("few_rows::linear")(rows_by_outputs)
     torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
@@ -167,10 +167,11 @@ def few_rows(x, weight) -> bool:
             and weight.is_contiguous() and not torch.onnx.is_in_onnx_export())
 
 
-def few_rows_linear(x, weight, factors=None):
-    """x [..., K] @ (weight [N, K] x factors).T in float32, by few_rows.cpp; factors: [N] or [N, K / block]."""
+def few_rows_linear(x, weight, factors=None, table=None):
+    """x [..., K] @ (weight [N, K] x factors).T in float32, by few_rows.cpp; factors: [N] or [N, K / block]. With a
+    table (quantize.MXLinear): weight holds packed 6-bit codes of the table's values, factors their E8M0 scales."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    return torch.ops.few_rows.linear(rows, weight, factors).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.few_rows.linear(rows, weight, factors, table).view(*x.shape[:-1], weight.shape[0])
 
 
 def few_rows_attention(x, q, k) -> bool:
@@ -250,6 +251,7 @@ class FusedProducts(nn.Module):
         operands = [layer.few_rows_operands() for layer in layers]
         self.weight = torch.cat([w for w, _ in operands])
         self.factors = None if operands[0][1] is None else torch.cat([f for _, f in operands])
+        self.table = getattr(layers[0], "table", None)  # quantize.MXLinear's packed 6-bit codes
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias.float() for layer in layers])
         self.sizes = [w.shape[0] for w, _ in operands]
         start = 0
@@ -261,7 +263,8 @@ class FusedProducts(nn.Module):
     @staticmethod
     def fusable(layers) -> bool:
         operands = [layer.few_rows_operands() for layer in layers]
-        if any(o is None for o in operands) or len({type(layer) for layer in layers}) > 1:
+        if (any(o is None for o in operands) or len({type(layer) for layer in layers}) > 1
+                or len({id(getattr(layer, "table", None)) for layer in layers}) > 1):  # one table per MX format
             return False
         (w0, f0), b0 = operands[0], layers[0].bias is None
         return all(w.dtype == w0.dtype and w.shape[1:] == w0.shape[1:] and (f is None) == (f0 is None) and
@@ -271,7 +274,7 @@ class FusedProducts(nn.Module):
     def forward(self, x):
         if not few_rows(x, self.weight):
             return [layer(x) for layer in self.layers]
-        y = few_rows_linear(x, self.weight, self.factors)
+        y = few_rows_linear(x, self.weight, self.factors, self.table)
         y = (y if self.bias is None else y + self.bias).to(x.dtype)
         return y.split(self.sizes, -1)
 

@@ -5,11 +5,12 @@ quantized modules below. Every Linear is quantized, the LM head included (untied
 stays 16-bit: a decode step reads one row of it).
 
 A step with a few rows on CPU (decode, draft, verify) never materializes a full-precision weight: few_rows.cpp
-(see model.py) converts int8 codes to float in registers, times the per-channel scale, and MX codes expanded
-once at load (see MXLinear for why) times their block factors; int4 codes it multiplies as integers with the
-inputs rounded to 8 bits (round_activations), then applies the group's scale and offset. Calls
-with many rows (prefill, eval) decode one layer at a time into a temporary weight; int8 and int4 without
-few_rows.cpp call aten's packed kernels.
+(see model.py) converts int8 codes to float in registers, times the per-channel scale; 6-bit MX codes it reads
+packed, as the file has them, where the CPU unpacks them in vector code, and other MX codes expanded once at load
+(see MXLinear), times their block factors; int4 codes it multiplies as integers with the inputs rounded to 8 bits
+(round_activations), then applies the group's scale and offset. Calls with many rows (prefill, eval) decode one
+layer at a time into a temporary weight (packed 6-bit codes: 16 rows at a time through few_rows.cpp); int8 and
+int4 without few_rows.cpp call aten's packed kernels.
 """
 import os
 import sys
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-from model import InputError, build_few_rows_kernels, few_rows, few_rows_linear, many_rows_linear
+from model import FEW_ROWS, InputError, build_few_rows_kernels, few_rows, few_rows_linear, many_rows_linear
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
@@ -199,17 +200,27 @@ class Int4Linear(nn.Module):
 INT8_EXACT = {"fp6_e2m3": 8, "fp4_e2m1": 2, "int8": 64}
 
 
+_code_tables = {}
+
+
+def code_table(fmt: mx.ElementFormat) -> torch.Tensor:
+    """The values of a 6-bit format's 64 codes as bf16 (exact), one tensor per format (model.FusedProducts)."""
+    if fmt.name not in _code_tables:
+        _code_tables[fmt.name] = mx.decode_elements(torch.arange(64, dtype=torch.uint8), fmt).bfloat16()
+    return _code_tables[fmt.name]
+
+
 class MXLinear(nn.Module):
     """OCP MX: element codes densely packed along in_features, one E8M0 scale per 32 of them.
 
-    The file keeps the dense packing. `prepare` expands the codes once at load: E2M3, E2M1 and INT8 to exact
-    int8 multiples (value * 8, * 2, * 64), E3M2 and E4M3 to bf16 (exact), with one float32 factor per block,
-    which few_rows.cpp multiplies in. A decode step then reads 8 (or 16) bits per weight plus 1 for scales:
-    the file is small, the step is not. (Unpacking 6-bit fields in the step would read less; it was measured
-    slow only in inductor's code, 19 ms on the 49152 x 576 head against 2.5 for an int8 convert, and is
-    not yet written in few_rows.cpp. FP4 expanded in registers by a 16-entry byte shuffle was, with the same
-    bits: over SmolLM2's products on 2 AVX2 cores, 12.3 / 20.3 ms at 1 / 5 rows against 10.6 / 17.0 for the
-    int8 expansion; the products there are bound by the conversions as much as by memory.)
+    The file keeps the dense packing. A few rows at a time (decode, draft, verify) on a CPU with AVX512_VBMI and
+    AVX512_BF16, few_rows.cpp reads 6-bit codes (E2M3, E3M2) as they are, 6.25 bits per weight with the scales:
+    SmolLM2's mxfp6 products 4.37 ms against 4.95-5.01 with the codes expanded to int8 (Zen 4, 1 row). Elsewhere,
+    and for the other formats, `prepare` expands the codes once at load: E2M3, E2M1 and INT8 to exact int8
+    multiples (value * 8, * 2, * 64), E3M2 and E4M3 to bf16 (exact), with one float32 factor per block, which
+    few_rows.cpp multiplies in; a step then reads 8 (or 16) bits per weight plus 1 for the factors. (Unpacking in
+    plain vector code did not pay: FP4 expanded in registers by a 16-entry byte shuffle, over SmolLM2's products
+    on 2 AVX2 cores, 12.3 / 20.3 ms at 1 / 5 rows against 10.6 / 17.0 for the int8 expansion.)
     """
 
     def __init__(self, in_features, out_features, bias=False, fmt="fp6_e2m3"):
@@ -218,10 +229,14 @@ class MXLinear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features * self.fmt.bits // 8, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, in_features // mx.BLOCK, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.values = self.block_factors = None
+        self.values = self.block_factors = self.table = None
 
     def prepare(self, rows=256):
         fmt, multiple = self.fmt, INT8_EXACT.get(self.fmt.name)
+        if (fmt.bits == 6 and self.weight.device.type == "cpu" and build_few_rows_kernels()
+                and torch.ops.few_rows.packed_fp6_is_fast()):
+            self.table = code_table(fmt)
+            return
         n, k = self.weight.shape[0], self.scales.shape[1] * mx.BLOCK
         # Filled in place a few rows at a time: no full float32 copy, and no result chunks interleaved with freed
         # temporaries on the heap (concatenated chunks left SmolLM2 mxfp6 at +462 MiB after loading, +388 this way).
@@ -247,14 +262,22 @@ class MXLinear(nn.Module):
         factors = self.block_factors.repeat_interleave(mx.BLOCK, -1)
         return self.values.float() * factors
 
-    def few_rows_operands(self):  # model.FusedProducts
-        return self.values, self.block_factors
+    # model.FusedProducts: the packed codes and their scales, or the expanded codes and their factors.
+    def few_rows_operands(self):
+        return (self.weight, self.scales) if self.table is not None else (self.values, self.block_factors)
 
-    def use_operands(self, values, block_factors):
-        self.values, self.block_factors = values, block_factors
+    def use_operands(self, weight, factors):
+        if self.table is not None:
+            self.weight, self.scales = weight, factors
+        else:
+            self.values, self.block_factors = weight, factors
 
     def forward(self, x):
-        if few_rows(x, self.values):  # decode, draft, verify
+        if self.table is not None:  # packed codes: few_rows.cpp, FEW_ROWS rows at a time (a prompt: ~0.1 s)
+            parts = [few_rows_linear(part, self.weight, self.scales, self.table)
+                     for part in x.reshape(-1, x.shape[-1]).split(FEW_ROWS)]
+            y = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], -1)
+        elif few_rows(x, self.values):  # decode, draft, verify
             y = few_rows_linear(x, self.values, self.block_factors)
         else:  # many rows (prefill, eval), or no few_rows.cpp: decode this layer into a temporary weight
             y = F.linear(x.float(), self.runtime_weight())

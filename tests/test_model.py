@@ -80,7 +80,8 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
 def few_rows_cases():
     """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (one case: its first 1520 columns), the
     float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16 weights without
-    block factors when in_features is a multiple of 32, or for int4 x rounded to 8 bits per block of 32)."""
+    block factors when in_features is a multiple of 32 and for packed MX 6-bit codes, or for int4 x rounded to 8
+    bits per block of 32)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 16 weight rows product() hands each tile call
     w = torch.randn(n, k)
@@ -91,10 +92,23 @@ def few_rows_cases():
     scales_and_zeros = torch.stack([torch.rand(k // 64, n) + 0.5, torch.randn(k // 64, n)], -1).bfloat16()
     nibbles, group_factors = quantize.int4_runtime(int4, scales_and_zeros)
     scale, offset = (t.repeat_interleave(64, 1) for t in group_factors.unbind(-1))
+    import mx
+    fp6 = torch.randint(0, 64, (n, k), dtype=torch.uint8)
+    e8m0 = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8)
+    packed = {f: (mx.pack(fp6, 6), quantize.code_table(mx.FORMATS[f]), mx.dequantize(fp6, e8m0, mx.FORMATS[f]))
+              for f in ("fp6_e2m3", "fp6_e3m2")}
     x = torch.randn(16, k)
     x[3, 32:64] = 0  # an all-zero block
     same = lambda x: x  # noqa: E731
     return x, {
+        # MX 6-bit codes as packed in the file, one E8M0 scale per 32; inputs rounded to bf16, as for bf16 pairs
+        **{f"{f} packed": (lambda x, c=c, t=t: torch.ops.few_rows.linear(x, c, e8m0, t), w,
+                           lambda x: x.bfloat16().float()) for f, (c, t, w) in packed.items()},
+        # in_features an odd number of 32-element blocks: the last one alone
+        "fp6_e2m3 packed, K % 64 = 32": (
+            lambda x: torch.ops.few_rows.linear(x[:, :-32].contiguous(), mx.pack(fp6[:, :-32], 6),
+                                                e8m0[:, :-1].contiguous(), packed["fp6_e2m3"][1]),
+            packed["fp6_e2m3"][2][:, :-32], lambda x: x[:, :-32].bfloat16().float()),
         "fp32": (lambda x: torch.ops.few_rows.linear(x, w), w, same),
         # bf16 weights multiply the inputs rounded to bf16 (a bf16 model's are already), in pairs (vdpbf16ps)
         "bf16": (lambda x: torch.ops.few_rows.linear(x, w.bfloat16()), w.bfloat16().float(),
@@ -152,6 +166,21 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name
         for rows in (1, 2, 3, 5, 8):
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
+
+
+def test_few_rows_packed_fp6_nan_scale_makes_its_outputs_nan():
+    """An E8M0 scale of 0xFF (NaN) in one block of a weight row makes that row's outputs NaN, and no other."""
+    import mx
+    import model
+    import quantize
+    assert model.build_few_rows_kernels()
+    torch.manual_seed(0)
+    codes = torch.randint(0, 64, (3, 96), dtype=torch.uint8)
+    scales = torch.full((3, 3), 127, dtype=torch.uint8)
+    scales[1, 2] = mx.SCALE_NAN
+    fmt = mx.FORMATS["fp6_e2m3"]
+    y = torch.ops.few_rows.linear(torch.randn(2, 96), mx.pack(codes, 6), scales, quantize.code_table(fmt))
+    assert y[:, 1].isnan().all() and not y[:, [0, 2]].isnan().any()
 
 
 @pytest.mark.parametrize("groups", ATTENTION_GROUPS)

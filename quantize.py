@@ -231,12 +231,15 @@ class MXLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.values = self.block_factors = self.table = None
 
-    def prepare(self, rows=256):
-        fmt, multiple = self.fmt, INT8_EXACT.get(self.fmt.name)
-        if (fmt.bits == 6 and self.weight.device.type == "cpu" and build_few_rows_kernels()
+    def prepare(self):
+        if (self.fmt.bits == 6 and self.weight.device.type == "cpu" and build_few_rows_kernels()
                 and torch.ops.few_rows.packed_fp6_is_fast()):
-            self.table = code_table(fmt)
-            return
+            self.table = code_table(self.fmt)
+        else:
+            self.expand()
+
+    def expand(self, rows=256):
+        fmt, multiple = self.fmt, INT8_EXACT.get(self.fmt.name)
         n, k = self.weight.shape[0], self.scales.shape[1] * mx.BLOCK
         # Filled in place a few rows at a time: no full float32 copy, and no result chunks interleaved with freed
         # temporaries on the heap (concatenated chunks left SmolLM2 mxfp6 at +462 MiB after loading, +388 this way).
@@ -258,7 +261,7 @@ class MXLinear(nn.Module):
         self.scales = self.scales[:, start // mx.BLOCK:stop // mx.BLOCK].contiguous()
 
     def runtime_weight(self):
-        """[N, K] float32 from the expanded codes; fused into the product's reduction when compiled."""
+        """[N, K] float32 from the expanded codes (expand); fused into the product's reduction when compiled."""
         factors = self.block_factors.repeat_interleave(mx.BLOCK, -1)
         return self.values.float() * factors
 

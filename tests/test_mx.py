@@ -75,7 +75,7 @@ def test_encoding_is_bit_identical_to_ml_dtypes(name, rule):
     # the runtime layout quantize.MXLinear expands the packed codes into decodes to the same values
     layer = MXLinear(w.shape[1], w.shape[0], fmt=name)
     layer.weight, layer.scales = mx.pack(codes, fmt.bits), scales
-    layer.prepare(rows=7)
+    layer.expand(rows=7)
     assert torch.equal(layer.runtime_weight(), mx.dequantize(codes, scales, fmt))
 
 

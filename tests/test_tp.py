@@ -84,9 +84,9 @@ def test_tiny_models_match_single_process(tiny, name, world, tmp_path):
     reference, results = check_launch(world, cases(weight_files(ckpt), tiny_prompts()), tmp_path)
     for ref, got in zip(reference, results):
         # Well under the whole model, though above 1/N: llama at 2 ranks duplicates KV heads (each rank holds 3),
-        # and at 3 ranks the 256-token vocabulary does not split in 16s, so embedding and head are replicated.
-        # SmolLM2 below checks the exact 1/N.
-        assert max(got["weight_bytes"]) <= 0.6 * ref["weight_bytes"][0], (got["weight_bytes"], ref["weight_bytes"])
+        # and at 3 ranks the 256-token vocabulary does not split in 16s, so embedding and head are replicated
+        # (beside mxfp6 layers read packed, 0.61 of the model). SmolLM2 below checks the exact 1/N.
+        assert max(got["weight_bytes"]) <= 0.65 * ref["weight_bytes"][0], (got["weight_bytes"], ref["weight_bytes"])
 
 
 def test_smollm2_world_size_3_matches_single_process(smollm2, quantized, tmp_path):

@@ -276,7 +276,8 @@ class MXLinear(nn.Module):
             self.values, self.block_factors = weight, factors
 
     def forward(self, x):
-        if self.table is not None:  # packed codes: few_rows.cpp, FEW_ROWS rows at a time (a prompt: ~0.1 s)
+        # Packed codes: few_rows.cpp, FEW_ROWS rows at a time (a 130-token SmolLM2 prompt: 0.41 s; int8 0.38).
+        if self.table is not None:
             parts = [few_rows_linear(part, self.weight, self.scales, self.table)
                      for part in x.reshape(-1, x.shape[-1]).split(FEW_ROWS)]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], -1)

@@ -247,8 +247,15 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 // measured: SmolLM2's products, 4 weight rows side by side vs one at a time, same process, bit-identical (Zen 4,
 // AVX-512, 2 threads), at 1 row: bf16 13.35 -> 7.73 ms, int8 7.52 -> 4.95; at 5 rows 15.87 -> 14.30 and 11.77 -> 10.43 (the
 // Xeon that chose the 4-row tile is not at hand to re-measure). Zen 3 (AVX2): decode steps 26.4 -> 23.0 ms
-// (bf16), 17.4 -> 14.6 (int8). A second accumulator per row (32 lanes) was no faster on Zen 4 or Zen 3.
-// Registers: R accumulators and one converted weight vector, 16 lanes each (AVX2: 14 + 2 of its 16).
+// (bf16), 17.4 -> 14.6 (int8); 2 rows side by side, bf16 pairs on Zen 4: 1.3x slower at 2 and 5 rows.
+// Two sums per row, of the even and the odd 16 weights of each 32, added at the end: one chain of FMAs waited on
+// itself (4 cycles a link, 16 int8 weights each: ~4 bytes a cycle a core), which weights in huge pages
+// (model.move_to_huge_pages) outrun. SmolLM2's int8 products in huge pages, Zen 4, 2 threads, same process, nine
+// alternating runs: at 1 / 2 / 5 rows 4.47 / 5.25 / 9.23 -> 4.25 / 4.92 / 9.07 ms. (With the weights in 4 KiB pages,
+// memory was the limit, and a second sum no faster on Zen 4 or Zen 3.) Prefetching once per 64 bytes instead of
+// per 16, or not at all, was slower (1 row 5.1 / 6.2 ms, 2 rows 5.1 / 9.4).
+// Registers: 2R sums and two converted weight vectors, 16 lanes each: 16 of AVX-512's 32; AVX2 holds 16 lanes in
+// two registers of its 16, so it takes at most 3 rows a pass (RowsPerPass).
 // (Integer dot products, int8 weights times activations rounded to 8 bits, were no faster on Zen 3 and cost
 // int8 +0.4% perplexity.)
 // Not inlined: inlined into product's parallel loop, GCC kept the accumulators on the stack, a store and a load
@@ -258,18 +265,36 @@ template <int R, class Weight>
 __attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1,
                                     float* y) {
   for (int64_t n = n0; n < n1; n++) {
-    f32x16 acc[R];
+    f32x16 even[R], odd[R];
     for (int r = 0; r < R; r++)
-      for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
+      for (int h = 0; h < L / W; h++) even[r].part[h] = odd[r].part[h] = native{};
     const auto row = weight.row(n);
-    for (int64_t k = 0; k < K; k += L) {
-      const f32x16 w = row(k);
+    int64_t k = 0;
+    for (; k + 2 * L <= K; k += 2 * L) {
+      const f32x16 w0 = row(k), w1 = row(k + L);
       row.prefetch(k);
-      for (int r = 0; r < R; r++) acc[r] += load(x + r * K + k) * w;
+      row.prefetch(k + L);
+      for (int r = 0; r < R; r++) {
+        even[r] += load(x + r * K + k) * w0;
+        odd[r] += load(x + r * K + k + L) * w1;
+      }
     }
-    for (int r = 0; r < R; r++) y[r * N + n] = row.finish(sum_lanes(acc[r]));
+    if (k < K) {  // K an odd multiple of 16
+      const f32x16 w0 = row(k);
+      for (int r = 0; r < R; r++) even[r] += load(x + r * K + k) * w0;
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = row.finish(sum_lanes(even[r] += odd[r]));
   }
 }
+
+template <class Weight>
+struct RowsPerPass {
+  static constexpr int value = 7;
+};
+template <class T, Factors F>
+struct RowsPerPass<DenseWeight<T, F>> {
+  static constexpr int value = W == 16 ? 7 : 3;
+};
 
 // The same for bf16 pairs (Bf16Pairs), x from pair_inputs: 32 weights a step. On Zen 4, against converting each
 // weight to float, same process: a 5-row product over a 113 MB weight 11.0 -> 6.4 ms on one thread (1 row: 6.6 ->
@@ -302,10 +327,11 @@ __attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput*
   }
 }
 
-// Weight rows n0 .. n1 - 1 times the M input rows, 7 rows a pass at most.
+// Weight rows n0 .. n1 - 1 times the M input rows, 7 rows a pass at most (RowsPerPass).
 template <class Weight, class X>
 inline void rows(const Weight& weight, const X* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t passes = (M + 6) / 7;
+  constexpr int most = RowsPerPass<Weight>::value;
+  const int64_t passes = (M + most - 1) / most;
   for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
     r = (M - m) / (passes - p);
     const X* xm = x + m * K;

@@ -11,6 +11,7 @@ scores are unchanged by a permutation applied to both q and k.
 """
 import json
 import math
+import mmap
 import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -254,10 +255,17 @@ class FusedProducts(nn.Module):
         self.table = getattr(layers[0], "table", None)  # quantize.MXLinear's packed 6-bit codes
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias.float() for layer in layers])
         self.sizes = [w.shape[0] for w, _ in operands]
+        self.use_operands(self.weight, self.factors)
+
+    def few_rows_operands(self):
+        return self.weight, self.factors
+
+    def use_operands(self, weight, factors):
+        """Take weight and factors stacked as the layers are, and point each layer at its rows of them."""
+        self.weight, self.factors = weight, factors
         start = 0
-        for layer, size in zip(layers, self.sizes):
-            layer.use_operands(self.weight[start:start + size],
-                               None if self.factors is None else self.factors[start:start + size])
+        for layer, size in zip(self.layers, self.sizes):
+            layer.use_operands(weight[start:start + size], None if factors is None else factors[start:start + size])
             start += size
 
     @staticmethod
@@ -277,6 +285,46 @@ class FusedProducts(nn.Module):
         y = few_rows_linear(x, self.weight, self.factors, self.table)
         y = (y if self.bias is None else y + self.bias).to(x.dtype)
         return y.split(self.sizes, -1)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_memory(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of private anonymous memory, 2 MiB-aligned and advised for transparent huge pages where the
+    OS has them (Linux; a shared mapping would not get them), else plain memory."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region alive as long as a view of it lives
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+def move_to_huge_pages(products):
+    """Copy what few_rows.cpp streams for these products (layers or FusedProducts, in call order) into one
+    region of huge pages, and point them at it. The weights a step reads otherwise sit in 4 KiB pages, of the mapped
+    file or of the heap: a TLB miss every 4 KiB of a stream that reads ~30 GB/s. Measured on SmolLM2 (Zen 4, 2
+    threads, same process, seven alternating runs): its 121 bf16 products 11.8 -> 9.7 ms, int8 6.8 -> 6.0, mxfp6
+    5.2 -> 4.6; the file's own pages 12.3 ms, the heap's 11.0. One tensor at a time, each old copy freed before
+    the next is made: loading holds at most one tensor twice."""
+    products = [product for product in products if product.few_rows_operands() is not None]
+    def span(t):  # whole cache lines
+        return 0 if t is None else -(-t.numel() * t.element_size() // 64) * 64
+    memory = huge_page_memory(sum(span(t) for product in products for t in product.few_rows_operands()))
+    offset = 0
+    for product in products:
+        for i in range(2):
+            operands = list(product.few_rows_operands())
+            old = operands[i]
+            if old is None:
+                continue
+            operands[i] = memory[offset:offset + old.numel() * old.element_size()].view(old.dtype).view(old.shape)
+            operands[i].copy_(old)
+            offset += span(old)
+            del old
+            product.use_operands(*operands)
 
 
 class RMSNorm(nn.Module):
@@ -362,6 +410,13 @@ class Block(nn.Module):
         # Tensor parallelism (tp.py) makes this an all-reduce: each rank's attention and MLP outputs are then
         # partial sums. CodeGen's parallel branches share one.
         self.reduce = no_communication
+
+    def products(self):
+        """The products of a few-row step, in call order: FusedProducts where fused, else the layers."""
+        attention, mlp = self.attention, self.feed_forward
+        qkv = [attention.wqkv] if attention.wqkv is not None else [attention.wq, attention.wk, attention.wv]
+        gate_up = [mlp.w13] if mlp.w13 is not None else [mlp.w1] + ([mlp.w3] if mlp.gated else [])
+        return qkv + [attention.wo] + gate_up + [mlp.w2]
 
     def fuse_products(self):
         """One few_rows.cpp call for q/k/v and one for gate/up (FusedProducts), where their parts allow it."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import InputError, ModelArgs, Transformer, argmax, build_few_rows_kernels, move_to_huge_pages
+from model import InputError, ModelArgs, Transformer, argmax, build_few_rows_kernels, HugePages, move_to_huge_pages
 from tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -117,6 +117,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     # each layer's streamed weights then move to huge pages, and the file pages they came from leave the process.
     fuse = model.tok_embeddings.weight.device.type == "cpu" and build_few_rows_kernels()
     parts = [(f"layers.{i}.", layer) for i, layer in enumerate(model.layers)] + [("output.", model.output)]
+    pages = HugePages()
     for prefix, part in parts:
         for module in part.modules():
             if isinstance(module, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
@@ -124,7 +125,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         if fuse and part is not model.output:
             part.fuse_products()
         if fuse:
-            move_to_huge_pages(part.products() if part is not model.output else [part])
+            move_to_huge_pages(part.products() if part is not model.output else [part], pages)
             names = [n for n in tensors if n.startswith(prefix)] + (["tok_embeddings.weight"] if prefix == "output."
                                                                        and args.tie_embeddings else [])
             release_file_pages(tensors[n] for n in names)

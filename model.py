@@ -302,27 +302,38 @@ def huge_page_memory(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def move_to_huge_pages(products):
-    """Copy what few_rows.cpp streams for these products (layers or FusedProducts, in call order) into one
-    region of huge pages, and point them at it. The weights a step reads otherwise sit in 4 KiB pages, of the mapped
-    file or of the heap: a TLB miss every 4 KiB of a stream that reads ~30 GB/s. Measured on SmolLM2 (Zen 4, 2
-    threads, same process, seven alternating runs): its 121 bf16 products 11.8 -> 9.7 ms, int8 6.8 -> 6.0, mxfp6
-    5.2 -> 4.6; the file's own pages 12.3 ms, the heap's 11.0. One tensor at a time, each old copy freed before
-    the next is made: loading holds at most one tensor twice."""
-    products = [product for product in products if product.few_rows_operands() is not None]
-    def span(t):  # whole cache lines
-        return 0 if t is None else -(-t.numel() * t.element_size() // 64) * 64
-    memory = huge_page_memory(sum(span(t) for product in products for t in product.few_rows_operands()))
-    offset = 0
+class HugePages:
+    """Tensors carved back to back, on cache-line boundaries, out of huge-page regions of 64 MiB (or one tensor's
+    size): a model's layers then share whole 2 MiB pages, where a region per layer left each layer's tail (over
+    40% of an int8 SmolLM2 layer) in 4 KiB pages. A region's unused end is never touched, so it costs no memory."""
+
+    def __init__(self, chunk=64 << 20):
+        self.chunk, self.memory, self.offset = chunk, None, 0
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        if self.memory is None or self.offset + nbytes > self.memory.numel():
+            self.memory, self.offset = huge_page_memory(max(self.chunk, nbytes)), 0
+        copy = self.memory[self.offset:self.offset + nbytes].view(t.dtype).view(t.shape)
+        self.offset += -(-nbytes // 64) * 64
+        return copy
+
+
+def move_to_huge_pages(products, pages: HugePages):
+    """Copy what few_rows.cpp streams for these products (layers or FusedProducts, in call order) into huge pages,
+    and point them at the copies. The weights a step reads otherwise sit in 4 KiB pages, of the mapped file or of
+    the heap: a TLB miss every 4 KiB of a stream that reads ~30 GB/s. Measured on SmolLM2 (Zen 4, 2 threads, same
+    process, seven alternating runs): its 121 bf16 products 11.8 -> 9.7 ms, int8 6.8 -> 6.0, mxfp6 5.2 -> 4.6;
+    the file's own pages 12.3 ms, the heap's 11.0. One tensor at a time, each old copy freed before the next is
+    made: loading holds at most one tensor twice."""
     for product in products:
         for i in range(2):
-            operands = list(product.few_rows_operands())
+            operands = list(product.few_rows_operands() or (None, None))
             old = operands[i]
             if old is None:
                 continue
-            operands[i] = memory[offset:offset + old.numel() * old.element_size()].view(old.dtype).view(old.shape)
+            operands[i] = pages.like(old)
             operands[i].copy_(old)
-            offset += span(old)
             del old
             product.use_operands(*operands)
 

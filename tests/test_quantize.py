@@ -161,6 +161,36 @@ def test_loading_peak_stays_within_the_file_and_runtime_buffers(quantized):
         assert peak <= budget, f"{mode}: peak {peak / 1e6:.1f} MB > budget {budget / 1e6:.1f} MB"
 
 
+# Loads one file in a fresh process; prints how much of the mapped file stays resident after loading, and the
+# process's transparent huge pages.
+HUGE_PAGES = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+import generate, model
+def kib(key, path="/proc/self/status"):
+    return next(int(line.split()[1]) for line in open(path) if line.startswith(key))
+model.build_few_rows_kernels()
+before = kib("RssFile:")
+loaded = generate.load_model(sys.argv[1], "cpu", torch.bfloat16)
+print((kib("RssFile:") - before) * 1024, kib("AnonHugePages:", "/proc/self/smaps_rollup") * 1024)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages and /proc are Linux's")
+def test_streamed_weights_move_to_huge_pages_and_leave_the_file(quantized):
+    """After loading int8 (whose codes a step would otherwise read from the mapped file), the copied file pages
+    are no longer resident in the process (< 10% of the file: the embedding is mapped but unread), and where the
+    kernel offers transparent huge pages they hold nearly all of the 135 MB a step reads."""
+    path = quantized["int8"]
+    result = subprocess.run([sys.executable, "-c", HUGE_PAGES, str(path), str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    file_resident, huge = map(int, result.stdout.split())
+    assert file_resident < 0.1 * path.stat().st_size, file_resident
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" not in thp:
+        assert huge >= 120 << 20, huge  # 135 MB of int8 layouts and factors, back to back in 2 MiB pages
+
+
 def test_cli_loads_a_quantized_file_and_drafts_with_one(quantized):
     path = quantized["int8"]
     result = cli("--checkpoint_path", str(path), "--prompt", "def add(a, b):", "--max_new_tokens", "8", "--json",

@@ -137,8 +137,8 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
 def release_file_pages(mapped):
     """Drop the pages of these tensors of a mapped file from the process (madvise MADV_DONTNEED, Linux): the page
     cache keeps them, and a later read maps the same bytes again, so it is safe for a tensor still in use. Loading
-    calls it on what it has copied: without it a quantized model's peak counted its weights twice (int8 153.5 ->
-    298.6 MB with huge pages)."""
+    calls it on each layer once its weights are copied: without it an int8 model's loading peak counted its weights
+    twice (298.6 MB against 191.3, measured with a huge-page region per layer)."""
     if sys.platform != "linux":
         return
     madvise = ctypes.CDLL(None, use_errno=True).madvise

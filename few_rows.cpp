@@ -300,6 +300,11 @@ struct RowsPerPass<DenseWeight<T, F>> {
 // weight to float, same process: a 5-row product over a 113 MB weight 11.0 -> 6.4 ms on one thread (1 row: 6.6 ->
 // 6.5, bound by memory); SmolLM2's 121 bf16 products on 2 threads at 1 / 2 / 5 rows 10.6 / 14.0 / 15.6 -> 9.8 /
 // 11.1 / 14.0 ms (with the 16 weight rows a call of product()).
+// At 2 rows and more, a second prefetch, into L2 and 16 KB ahead (AVX512_BF16 only, where measured): with the
+// weights in huge pages the 2-row products were as slow as the 5-row ones, the stream waiting on memory and on the
+// multiply-adds in turn. SmolLM2's 121 bf16 products (Zen 4, 2 threads, same process, five alternating runs) at
+// 2 / 5 rows 10.94 / 11.13 -> 9.67 / 9.23 ms; at 1 row it cost ~5% (8.76 -> 9.20, at 8 or 16 KB), so 1 row has
+// none. int8 tiles gained nothing from it (5 rows 8.68 -> 8.98 ms): they wait on converting the codes.
 template <int R, Factors F>
 __attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
                                     int64_t n1, float* y) {
@@ -312,6 +317,7 @@ __attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput*
       const uint32_t* p = pairs + k / 2;
       __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES);
 #if defined(__AVX512BF16__)
+      if (R >= 2) __builtin_prefetch(reinterpret_cast<const char*>(p) + 16384, 0, 2);  // to L2: see above
       const __m512bh w = (__m512bh)_mm512_loadu_si512(p);
       for (int r = 0; r < R; r++)
         acc[r].part[0] = (native)_mm512_dpbf16_ps((__m512)acc[r].part[0], w, (__m512bh)_mm512_loadu_si512(x + r * K + k));

@@ -2,7 +2,8 @@
 // step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors), as int4 nibbles (times
 // a per-group scale plus offset, against activations rounded to 8 bits: see round_rows) or as packed MX 6-bit
 // codes (a table of their values, times an E8M0 scale per block of 32: see Fp6Table); those rows'
-// attention over the KV cache; and the argmax of their logits. Built at first use by model.py.
+// attention over the KV cache; and the argmax of their logits. Built at first use by model.py, which also has it
+// keep Python's freed frame chunks (keep_frame_chunks, at the end).
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
@@ -10,6 +11,8 @@
 // (bf16: a pair of elements a lane at a time, see Bf16Pairs), then halves in a fixed tree. GCC/Clang vector
 // extensions, compiled with -march=native; the int8/bf16 -> float conversions, the bf16 pairs and the int4
 // integer dot products use AVX-512 (BF16) or AVX2 intrinsics where present, plain loops elsewhere.
+#include <Python.h>  // first, as Python asks
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <vector>
 #if defined(__AVX__)
@@ -989,9 +993,62 @@ at::Tensor argmax(const at::Tensor& x) {
   }
 }
 
+// Python 3.11+ keeps each thread's frames in 16 KB chunks from its arena allocator (mmap) and unmaps a chunk as
+// soon as the frame at its base returns. When a compiled step's generated `call` frame ends near a chunk's end,
+// every op it calls through a Python frame (each product, each attention) maps a chunk and unmaps it again, and
+// each unmap interrupts the other core with a TLB shootdown. Which steps hit this depends on the call depth:
+// measured on SmolLM2 bf16 (Zen 4 VM, 2 threads), a speculative round's steps made ~600 mmap/munmap pairs, and a
+// generate() of 128 tokens ran 70 instead of 86 tok/s after an unrelated change moved it one frame deeper. Freed
+// small blocks (frame chunks; obmalloc's 1 MiB arenas pass through) are kept, 8 at most, and handed out again.
+PyObjectArenaAllocator system_arenas;
+struct KeptBlock {
+  void* block;
+  size_t size;
+};
+KeptBlock kept_blocks[8];
+int n_kept = 0;
+std::mutex kept_mutex;
+
+void* arena_alloc(void*, size_t size) {
+  {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    for (int i = 0; i < n_kept; i++)
+      if (kept_blocks[i].size == size) {
+        void* block = kept_blocks[i].block;
+        kept_blocks[i] = kept_blocks[--n_kept];
+        return block;
+      }
+  }
+  return system_arenas.alloc(system_arenas.ctx, size);
+}
+
+void arena_free(void*, void* block, size_t size) {
+  {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    if (size <= (64 << 10) && n_kept < 8) {
+      kept_blocks[n_kept++] = {block, size};
+      return;
+    }
+  }
+  system_arenas.free(system_arenas.ctx, block, size);
+}
+
+bool keep_frame_chunks() {
+  static const bool installed = [] {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject_GetArenaAllocator(&system_arenas);
+    PyObjectArenaAllocator keeping{nullptr, arena_alloc, arena_free};
+    PyObject_SetArenaAllocator(&keeping);
+    PyGILState_Release(gil);
+    return true;
+  }();
+  return installed;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(few_rows, m) {
+  m.def("keep_frame_chunks() -> bool", [] { return keep_frame_chunks(); });
   m.def("linear(Tensor x, Tensor weight, Tensor? factors=None, Tensor? table=None) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");

@@ -156,6 +156,7 @@ def build_few_rows_kernels():
     torch.library.register_fake("few_rows::linear")(rows_by_outputs)
     torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
     torch.library.register_fake("few_rows::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
+    torch.ops.few_rows.keep_frame_chunks()  # no mmap / munmap per op call in compiled steps: see few_rows.cpp
     few_rows_kernels = True
     return True
 

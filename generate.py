@@ -333,7 +333,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
         on_token(outputs[0][:])
     pos = lengths.clone()  # position of each row's newest token, not yet in the cache
     histories = [list(p) + o for p, o in zip(prompts, outputs)]
-    rounds, accept_counts, draft_s, verify_s, drafted, tried, ks = 0, [0] * (k_max + 1), 0.0, 0.0, 0, 0, []
+    rounds, accept_counts, ks = 0, [0] * (k_max + 1), []
+    draft_s = verify_s = 0.0
+    drafted = tried = accepted = 0  # draft tokens proposed, judged, accepted
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
         if drafter is None:
@@ -342,19 +344,24 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
         else:
             # Under tensor parallelism every rank must verify the same K; timings differ between ranks.
             k = tp.from_rank0(adaptive.k) if adaptive else speculate_k
+            # A request's last round drafts only what its longest row can still emit (K = 4, 128 tokens: 3 of ~105
+            # draft steps were drafting tokens that would be cut off).
+            drafts = min(k, max(max_new_tokens - len(o) for o, d in zip(outputs, done) if not d) - 1)
             draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, k, steps.verify,
-                                                              temperature, top_k, top_p)
-            draft_s, verify_s, drafted = draft_s + timing[0], verify_s + timing[1], drafted + k
+                                                              temperature, top_k, top_p, drafts)
+            draft_s, verify_s, drafted = draft_s + timing[0], verify_s + timing[1], drafted + drafts
             n_list = n.tolist()
             new = [d[:m] + [t] for d, m, t in zip(draft.tolist(), n_list, next_token.tolist())]
             round_accepted = round_tried = 0
             for b in range(B):
                 if not done[b]:
-                    accept_counts[n_list[b]] += 1
-                    round_accepted, round_tried = round_accepted + n_list[b], round_tried + min(n_list[b] + 1, k)
-            tried += round_tried
+                    if drafts == k:  # the histogram is over rounds of K drafts
+                        accept_counts[n_list[b]] += 1
+                    m = min(n_list[b], drafts)  # accepted padding is cut off: not counted
+                    round_accepted, round_tried = round_accepted + m, round_tried + min(m + 1, drafts)
+            tried, accepted = tried + round_tried, accepted + round_accepted
             ks.append(k)
-            if adaptive:
+            if adaptive and drafts == k:
                 adaptive.update(round_accepted, round_tried, timing[0] / k, timing[1])
             pos += (n + 1) * active  # a finished row stays where it is
         rounds += 1
@@ -374,10 +381,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     stats.update(total_s=time.perf_counter() - t0, decode_steps=rounds)
     if drafter:
         counted = sum(accept_counts)
-        accepted = sum(i * c for i, c in enumerate(accept_counts))
+        tokens_in_full_rounds = sum((i + 1) * c for i, c in enumerate(accept_counts))
         stats.update(accept_counts=accept_counts, speculate_k=max(set(ks), key=ks.count) if ks else k_max,
-                     mean_accepted=(accepted + counted) / max(counted, 1), alpha=accepted / max(tried, 1),
-                     draft_cost_ratio=(draft_s / drafted) / (verify_s / rounds) if rounds else 0.0,
+                     mean_accepted=tokens_in_full_rounds / max(counted, 1), alpha=accepted / max(tried, 1),
+                     draft_cost_ratio=(draft_s / max(drafted, 1)) / (verify_s / rounds) if rounds else 0.0,
                      verify_s_per_round=verify_s / max(rounds, 1))
     return outputs, stats
 

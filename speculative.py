@@ -171,14 +171,25 @@ class AdaptiveK:
             self.k += (best > self.k) - (best < self.k)
 
 
-def speculative_decode(model, drafter, histories, pos, k, verify_step, temperature=0.0, top_k=None, top_p=None):
+def speculative_decode(model, drafter, histories, pos, k, verify_step, temperature=0.0, top_k=None, top_p=None,
+                       drafts=None):
     """One round for a batch. histories: host token lists per row (prompt + generated; the last one is not yet
-    in the target's cache, at position pos [B]). Returns drafts [B, K], n accepted [B], next token [B] and the
-    (draft, verify) seconds, from which the draft cost ratio c is measured."""
+    in the target's cache, at position pos [B]). The drafter proposes `drafts` tokens (default k; fewer when no
+    row can emit more), padded to the verify's k by repeating the row's last token with a one-hot q: padding is
+    a deterministic draft like any other, so the output stays exact. Returns drafts [B, K], n accepted [B], next
+    token [B] and the (draft, verify) seconds, from which the draft cost ratio c is measured."""
     t0 = time.perf_counter()
-    draft, q = drafter.propose(histories, pos, k, temperature, top_k, top_p)
-    draft.tolist()  # host sync, so the timings split draft from verify
+    drafts = k if drafts is None else drafts
     last = torch.tensor([h[-1] for h in histories], device=pos.device)
+    draft, q = last[:, None][:, :0], None  # none to draft: the verify sees only padding
+    if drafts:
+        draft, q = drafter.propose(histories, pos, drafts, temperature, top_k, top_p)
+    if drafts < k:
+        pad = last[:, None].expand(-1, k - drafts)
+        if q is not None:
+            q = torch.cat([q, torch.nn.functional.one_hot(pad, q.shape[-1]).to(q.dtype)], 1)
+        draft = torch.cat([draft, pad], 1)
+    draft.tolist()  # host sync, so the timings split draft from verify
     tokens = torch.cat([last[:, None], draft], 1)
     input_pos = pos[:, None] + torch.arange(k + 1, device=pos.device)
     u = noise = None  # greedy acceptance draws nothing

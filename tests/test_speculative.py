@@ -81,6 +81,32 @@ def test_ngram_drafter_continues_the_latest_match():
     assert tokens.tolist() == [[3, 3]]  # no match: the last token, repeated
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_round_drafts_no_more_than_a_row_can_still_emit(tiny, temperature):
+    """Every round asks the drafter for min(K, tokens left - 1) drafts (none when one token is left: the verify then
+    sees only padding); greedy output equals plain decoding, sampled output has the requested length."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    model = load_model(ckpt, "cpu", torch.float32)
+    prompt, k = [3, 4, 5, 3, 4, 5, 3, 4], 4
+    asked = []
+
+    class Recording(ModelDrafter):
+        def propose(self, histories, pos, n, *rest):
+            asked.append((len(histories[0]) - len(prompt), n))  # (tokens emitted so far, drafts asked)
+            return super().propose(histories, pos, n, *rest)
+
+    for max_new_tokens in (2, 3, 13):
+        asked.clear()
+        torch.manual_seed(0)
+        rows, _ = generate(model, [prompt], max_new_tokens, Steps(), temperature, speculate_k=k,
+                           drafter=Recording(load_model(ckpt, "cpu", torch.float32)))
+        assert len(rows[0]) == max_new_tokens
+        if temperature == 0:
+            assert rows[0] == generate(model, [prompt], max_new_tokens, Steps())[0][0]
+        assert all(n == min(k, max_new_tokens - emitted - 1) and n > 0 for emitted, n in asked), asked
+        assert bool(asked) == (max_new_tokens > 2)
+
+
 @pytest.fixture(scope="module")
 def real(smollm2):
     ckpt, _ = smollm2
@@ -149,7 +175,8 @@ def test_sampled_speculation_matches_the_target_distribution():
         torch.manual_seed(seed)
         counts = torch.zeros(V, V)
         for _ in range(8):
-            rows, _ = generate(target, [prompt] * 5000, 2, Steps(), temperature=temperature, top_k=top_k,
+            # k + 2 tokens: the first round drafts all k (a round drafts no more than a row can still emit)
+            rows, _ = generate(target, [prompt] * 5000, k + 2, Steps(), temperature=temperature, top_k=top_k,
                                drafter=drafter, speculate_k=k)
             pairs = torch.tensor([r[:2] for r in rows])
             counts += torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).float()

@@ -237,7 +237,8 @@ class CompiledStep:
         # CUDA graphs remove the launch overhead of a step on GPU ("reduce-overhead"). On CPU, Inductor's C++
         # wrapper would call a step's ~300 kernels and products from C++ instead of Python: measured on SmolLM2
         # (Zen 4, same process) 6-8% faster decode steps, but cold compiles ~1.4x as long (the test suite 9 -> 20
-        # min), and it cannot call tp.py's collectives; not used.
+        # min), and it cannot call tp.py's collectives; not used. (torch 2.13: with size_asserts off, below, its
+        # first SmolLM2 step segfaults; with them on, re-measured, no gain above a 2-core VM's drift.)
         # Inductor's size asserts re-check every weight's shape and every kernel output's on each call: 519
         # asserts in a SmolLM2 decode step, 1.1 ms of 17.3 (int8, side by side). Weights cannot change under a
         # loaded model, and the guards kept above check what can.

@@ -153,7 +153,7 @@ def build_few_rows_kernels():
     # Shapes for torch.compile, which traces without running the kernels.
     def rows_by_outputs(x, weight, factors=None, table=None):
         return x.new_empty(x.shape[0], weight.shape[0])
-    torch.library.register_fake("few_rows::linear")(rows_by_outputs)
+    torch.library.register_fake("few_rows::product")(rows_by_outputs)
     torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
     torch.library.register_fake("few_rows::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
     torch.ops.few_rows.keep_frame_chunks()  # no mmap / munmap per op call in compiled steps: see few_rows.cpp
@@ -173,7 +173,7 @@ def few_rows_linear(x, weight, factors=None, table=None):
     """x [..., K] @ (weight [N, K] x factors).T in float32, by few_rows.cpp; factors: [N] or [N, K / block]. With a
     table (quantize.MXLinear): weight holds packed 6-bit codes of the table's values, factors their E8M0 scales."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    return torch.ops.few_rows.linear(rows, weight, factors, table).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.few_rows.product(rows, weight, factors, table).view(*x.shape[:-1], weight.shape[0])
 
 
 def few_rows_attention(x, q, k) -> bool:

@@ -238,7 +238,7 @@ class CompiledStep:
         # would call a step's ~300 kernels and products from C++ instead of Python. Measured on SmolLM2 (Zen 4, one
         # process, steps compiled both ways, alternating blocks of 10): bf16 0.92-0.94x the time, int8 0.91-0.94x,
         # but mxfp6 1.13x, for cold compiles ~2x as long (the test suite 9:41 -> 18:22), and it cannot call tp.py's
-        # collectives; not used. (It runs since few_rows.cpp's ops lost their default arguments: see there.)
+        # collectives; not used. (It runs since few_rows::product lost its default arguments: see few_rows.cpp.)
         # Inductor's size asserts re-check every weight's shape and every kernel output's on each call: 519
         # asserts in a SmolLM2 decode step, 1.1 ms of 17.3 (int8, side by side). Weights cannot change under a
         # loaded model, and the guards kept above check what can.

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from generate import load_model
+from model import few_rows_linear
 
 TOL = 1e-4  # fp32 max abs logit difference allowed against transformers
 
@@ -77,10 +78,6 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
                 torch.testing.assert_close(logits[b, 0], expected[b][n + 4 + step], rtol=0, atol=1e-5)
 
 
-def product(x, weight, factors=None, table=None):
-    return torch.ops.few_rows.product(x, weight, factors, table)
-
-
 def few_rows_cases():
     """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (one case: its first 1520 columns), the
     float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16 weights without
@@ -106,29 +103,29 @@ def few_rows_cases():
     same = lambda x: x  # noqa: E731
     return x, {
         # MX 6-bit codes as packed in the file, one E8M0 scale per 32; inputs rounded to bf16, as for bf16 pairs
-        **{f"{f} packed": (lambda x, c=c, t=t: product(x, c, e8m0, t), w,
+        **{f"{f} packed": (lambda x, c=c, t=t: few_rows_linear(x, c, e8m0, t), w,
                            lambda x: x.bfloat16().float()) for f, (c, t, w) in packed.items()},
         # in_features an odd number of 32-element blocks: the last one alone
         "fp6_e2m3 packed, K % 64 = 32": (
-            lambda x: product(x[:, :-32].contiguous(), mx.pack(fp6[:, :-32], 6), e8m0[:, :-1].contiguous(),
-                              packed["fp6_e2m3"][1]),
+            lambda x: few_rows_linear(x[:, :-32].contiguous(), mx.pack(fp6[:, :-32], 6), e8m0[:, :-1].contiguous(),
+                                      packed["fp6_e2m3"][1]),
             packed["fp6_e2m3"][2][:, :-32], lambda x: x[:, :-32].bfloat16().float()),
-        "fp32": (lambda x: product(x, w), w, same),
+        "fp32": (lambda x: few_rows_linear(x, w), w, same),
         # bf16 weights multiply the inputs rounded to bf16 (a bf16 model's are already), in pairs (vdpbf16ps)
-        "bf16": (lambda x: product(x, w.bfloat16()), w.bfloat16().float(),
+        "bf16": (lambda x: few_rows_linear(x, w.bfloat16()), w.bfloat16().float(),
                  lambda x: x.bfloat16().float()),
-        "bf16 x channel": (lambda x: product(x, w.bfloat16(), per_channel),
+        "bf16 x channel": (lambda x: few_rows_linear(x, w.bfloat16(), per_channel),
                            w.bfloat16().float() * per_channel[:, None], lambda x: x.bfloat16().float()),
         # in_features not a multiple of 32: no pairs, each bf16 weight to float times x itself
-        "bf16, K % 32 = 16": (lambda x: product(x[:, :-16].contiguous(), w[:, :-16].bfloat16()),
+        "bf16, K % 32 = 16": (lambda x: few_rows_linear(x[:, :-16].contiguous(), w[:, :-16].bfloat16()),
                               w[:, :-16].bfloat16().float(), lambda x: x[:, :-16]),
-        "bf16 x block": (lambda x: product(x, w.bfloat16(), per_block),
+        "bf16 x block": (lambda x: few_rows_linear(x, w.bfloat16(), per_block),
                          w.bfloat16().float() * per_block.repeat_interleave(32, 1), same),
-        "int8 x channel": (lambda x: product(x, codes, per_channel), codes * per_channel[:, None],
+        "int8 x channel": (lambda x: few_rows_linear(x, codes, per_channel), codes * per_channel[:, None],
                            same),
-        "int8 x block": (lambda x: product(x, codes, per_block),
+        "int8 x block": (lambda x: few_rows_linear(x, codes, per_block),
                          codes * per_block.repeat_interleave(32, 1), same),
-        "int4 x group": (lambda x: product(x, nibbles, group_factors), int4 * scale + offset,
+        "int4 x group": (lambda x: few_rows_linear(x, nibbles, group_factors), int4 * scale + offset,
                          quantize.round_activations),
     }
 
@@ -183,7 +180,7 @@ def test_few_rows_packed_fp6_nan_scale_makes_its_outputs_nan():
     scales = torch.full((3, 3), 127, dtype=torch.uint8)
     scales[1, 2] = mx.SCALE_NAN
     fmt = mx.FORMATS["fp6_e2m3"]
-    y = product(torch.randn(2, 96), mx.pack(codes, 6), scales, quantize.code_table(fmt))
+    y = few_rows_linear(torch.randn(2, 96), mx.pack(codes, 6), scales, quantize.code_table(fmt))
     assert y[:, 1].isnan().all() and not y[:, [0, 2]].isnan().any()
 
 

@@ -226,7 +226,6 @@ def test_few_rows_argmax_is_torch_argmax(dtype):
             assert torch.equal(model.argmax(x), x.argmax(-1)), shape
 
 
-
 def test_few_rows_ops_declare_no_default_arguments():
     """Inductor's C++ wrapper leaves out trailing arguments equal to their defaults, and the dispatcher call it
     generates then reads past the arguments it was given (torch 2.13: a segfault in the first compiled step). So
@@ -236,6 +235,7 @@ def test_few_rows_ops_declare_no_default_arguments():
     for name in ("product", "attention", "argmax"):
         schema = getattr(torch.ops.few_rows, name).default._schema
         assert schema.arguments and not any(a.has_default_value() for a in schema.arguments), str(schema)
+
 
 AVX2_BUILD = """
 import sys, torch

@@ -442,16 +442,24 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc[R][C];
-  // Offsets by std::fma, as in round_rows: left to the compiler, a multiply-add was fused in one build and not in
-  // the other (AVX2 vs Zen 4's AVX-512 build: outputs 1 ulp apart).
   float offsets[R][C];
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), offsets[r][c] = 0.f;
+  // At a group's first block, its term of every output's offset sum. std::fma, as in round_rows: left to the
+  // compiler, a multiply-add was fused in one build and not in the other (AVX2 vs Zen 4's AVX-512 build: outputs
+  // 1 ulp apart).
+  const auto add_offsets = [&](int64_t k) {
+    if (k & ((int64_t(1) << shift) - 1)) return;
+    const int64_t group = k >> shift;
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < C; c++)
+        offsets[r][c] = std::fma(g[c][2 * group + 1], a.group_sums[(m0 + r) * G + group], offsets[r][c]);
+  };
 #if defined(__znver1__)
   // One row on a Zen 1 class core (256-bit AVX2 run as two 128-bit halves; -march=native defines __znver1__)
   // in 128-bit halves: the same lanes, sums and tree, so the same bits, without the 256-bit insert and broadcast
-  // that cost two operations each there. A 49152 x 576 product at 1 row 1.85 -> 1.71 ms (2 threads); int4 decode
-  // 0.93-1.00x -> 1.05-1.09x llama.cpp's Q4_1. At 2 rows the halves were slower (3.00 -> 3.32 ms).
+  // that cost two operations each there. A 49152 x 576 product at 1 row 1.85 -> 1.64-1.73 ms (2 threads); int4
+  // decode 0.93-1.00x -> 1.05-1.09x llama.cpp's Q4_1. At 2 rows the halves were slower (3.00 -> 3.32 ms).
   if constexpr (R == 1) {
     const __m128i ones4 = _mm_set1_epi16(1), low4 = _mm_set1_epi8(15);
     __m128 lo_acc[C], hi_acc[C];  // lanes 0-3 and 4-7 of acc[0][c]
@@ -467,14 +475,14 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
         __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
       }
       const int64_t group = k >> shift;
-      if ((k & ((int64_t(1) << shift) - 1)) == 0)
-        for (int c = 0; c < C; c++)
-          offsets[0][c] = std::fma(g[c][2 * group + 1], a.group_sums[m0 * G + group], offsets[0][c]);
+      add_offsets(k);
       const __m128i xlo = _mm_loadu_si128((const __m128i*)(q + k)), xhi = _mm_loadu_si128((const __m128i*)(q + k + 16));
       for (int c = 0; c < C; c++) {
         const __m128 scale = _mm_set1_ps(g[c][2 * group] * d[k >> 5]);
-        lo_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_maddubs_epi16(lo[c], xlo), ones4)), scale, lo_acc[c]);
-        hi_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_maddubs_epi16(hi[c], xhi), ones4)), scale, hi_acc[c]);
+        const __m128i dot_lo = _mm_madd_epi16(_mm_maddubs_epi16(lo[c], xlo), ones4);
+        const __m128i dot_hi = _mm_madd_epi16(_mm_maddubs_epi16(hi[c], xhi), ones4);
+        lo_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_lo), scale, lo_acc[c]);
+        hi_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_hi), scale, hi_acc[c]);
       }
     }
     for (int c = 0; c < C; c++) acc[0][c] = _mm256_set_m128(hi_acc[c], lo_acc[c]);
@@ -489,10 +497,7 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
         __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
       }
       const int64_t b = k >> 5, group = k >> shift;
-      if ((k & ((int64_t(1) << shift) - 1)) == 0)  // a group's first block
-        for (int r = 0; r < R; r++)
-          for (int c = 0; c < C; c++)
-            offsets[r][c] = std::fma(g[c][2 * group + 1], a.group_sums[(m0 + r) * G + group], offsets[r][c]);
+      add_offsets(k);
       for (int r = 0; r < R; r++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + k));
         const float d = a.d[(m0 + r) * (K / 32) + b];

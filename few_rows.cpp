@@ -2,8 +2,9 @@
 // step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors), as int4 nibbles (times
 // a per-group scale plus offset, against activations rounded to 8 bits: see round_rows) or as packed MX 6-bit
 // codes (a table of their values, times an E8M0 scale per block of 32: see Fp6Table); those rows'
-// attention over the KV cache; and the argmax of their logits. Built at first use by model.py, which also has it
-// keep Python's freed frame chunks (keep_frame_chunks, at the end).
+// attention over the KV cache; the argmax of their logits; and a whole step of a Llama-family model, every layer
+// and the LM head, in one call (llama_step). Built at first use by model.py, which also has it keep Python's freed
+// frame chunks (keep_frame_chunks, at the end).
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
@@ -24,6 +25,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -797,9 +799,9 @@ inline void sum4x8(const f32x8* a, float* out) {
 #endif
 }
 
-// e^x for x <= 0 (a score minus its row's largest): 2^n times a degree-6 polynomial of the remainder (Cephes'
-// expf coefficients; relative error at most 8.6e-8, checked at every float from -87 to -1e-30); 0 below -87,
-// where e^x leaves the normal floats.
+// e^x for x <= 88 (a score minus its row's largest; silu's e^-g): 2^n times a degree-6 polynomial of the remainder
+// (Cephes' expf coefficients; relative error at most 8.6e-8, checked at every float from -87 to -1e-30 and from 0
+// to 88); 0 below -87, where e^x leaves the normal floats.
 inline f32x8 exp8(f32x8 x) {
   const f32x8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // x / ln 2 rounded to an integer
   const f32x8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -1045,6 +1047,251 @@ at::Tensor argmax(const at::Tensor& x) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// A whole few-row step of a Llama-family model in one call (model.Transformer.step_in_one_call): the embedding
+// rows, then per layer RMSNorm, q/k/v, rotary, the cache write, attention, the output product and the residual,
+// RMSNorm, gate/up, SiLU(gate) times up, down and the residual; then the final RMSNorm and the LM head. The same
+// operations as model.py's forward, rounded to the model's dtype where its eager PyTorch rounds them, and every
+// row computed by itself, so a verify's rows are a decode's. Compiled by torch.compile instead, a step ran ~150
+// small kernels from Python between the products, behind Dynamo's guards and the gathering of ~370 inputs: SmolLM2
+// decode steps (Zen 4, one process, alternating) bf16 12.28 -> 10.78 ms, int8 7.90 -> 6.30, mxfp6 8.76 -> 6.45,
+// int4 10.46 -> 7.69. What remains outside the products and attention: ~0.35 ms of an int8 step.
+template <class T>
+inline float rounded(float v) {  // v rounded to T (bf16: nearest, ties to even), as a float
+  return float(T(v));
+}
+
+// The same, 8 at a time: bf16's rounding as c10::BFloat16 does it (a NaN becomes its quiet NaN), in integer lanes.
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+template <class T>
+inline f32x8 rounded8(f32x8 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    u32x8 bits;
+    std::memcpy(&bits, &v, sizeof v);
+    bits = (bits + ((bits >> 16) & 1u) + 0x7FFFu) & 0xFFFF0000u;
+    bits = (u32x8)(v != v) ? u32x8{} + 0x7FC00000u : bits;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+}
+
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+
+// out[i] = round(x[i] + y[i]), or round(x[i]) without y: a residual add, a bias, a product's output in T.
+template <class T>
+void add_rounded(const float* x, const float* y, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, rounded8<T>(y ? load8(x + i) + load8(y + i) : load8(x + i)));
+  for (; i < n; i++) out[i] = rounded<T>(y ? x[i] + y[i] : x[i]);
+}
+
+// out[i] = round(round(silu(gate[i])) * up[i]), as F.silu(gate) * up in T; silu(g) = g / (1 + exp(-g)) with exp8,
+// and exp(-g) infinite for g < -88 (exp8 does not reach infinity by itself), so silu is -0 there, as in PyTorch.
+template <class T>
+void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const f32x8 g = load8(gate + i);
+    const f32x8 e = g < -88.f ? f32x8{} + INFINITY : exp8(-g);
+    store8(out + i, rounded8<T>(rounded8<T>(g / (1.f + e)) * load8(up + i)));
+  }
+  for (; i < n; i++) out[i] = rounded<T>(rounded<T>(gate[i] / (1.f + std::exp(-gate[i]))) * up[i]);
+}
+
+// The sum of x[i]^2 in the order of PyTorch's CPU sum over a row (four 8-lane sums, 32 elements a step, added in
+// turn, then their lanes in order; the remaining 8-element vectors into the sum, then the elements): RMSNorm's mean
+// then agrees with eager PyTorch's (98% of 576-element rows; a sequential sum: 52%), and so do its bf16 roundings.
+__attribute__((optimize("fp-contract=off"))) inline float sum_of_squares(const float* x, int64_t n) {
+  f32x8 acc[4] = {};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int a = 0; a < 4; a++) {
+      const f32x8 v = load8(x + i + 8 * a);
+      acc[a] += v * v;
+    }
+  f32x8 sum = ((acc[0] + acc[1]) + acc[2]) + acc[3];
+  for (; i + 8 <= n; i += 8) {
+    const f32x8 v = load8(x + i);
+    sum += v * v;
+  }
+  float total = 0.f;
+  for (int j = 0; j < 8; j++) total += sum[j];
+  for (; i < n; i++) total += x[i] * x[i];
+  return total;
+}
+
+template <class T>
+void rms_norm_rows(const float* x, const at::Tensor& weight, double eps, int64_t R, int64_t dim, float* out) {
+  const T* w = reinterpret_cast<const T*>(weight.data_ptr());
+  for (int64_t r = 0; r < R; r++) {
+    const float* xr = x + r * dim;
+    const float scale = 1.f / std::sqrt(sum_of_squares(xr, dim) / float(dim) + float(eps));
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) store8(out + r * dim + i, rounded8<T>(load8(w + i) * rounded8<T>(load8(xr + i) * scale)));
+    for (; i < dim; i++) out[r * dim + i] = rounded<T>(float(w[i]) * rounded<T>(xr[i] * scale));
+  }
+}
+
+// One head's q or k, rotated on its first 2 * half dims (pairs j, j + half; model.apply_rotary) and rounded to T:
+// each product rounded, as PyTorch's eager rotary computes them (not fused into multiply-adds).
+template <class T>
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* in, const float* cos, const float* sin,
+                                                          int64_t half, int64_t D, T* out) {
+  for (int64_t j = 0; j < half; j++) {
+    out[j] = T(in[j] * cos[j] - in[j + half] * sin[j]);
+    out[j + half] = T(in[j + half] * cos[j] + in[j] * sin[j]);
+  }
+  for (int64_t j = 2 * half; j < D; j++) out[j] = T(in[j]);
+}
+
+// One product of the step: y [R, N] = x [R, K] times weight i (with its factors and table), plus its bias, each
+// output rounded to T as the Linear modules round theirs.
+template <class T>
+at::Tensor step_product(const at::Tensor& x, int64_t i, int64_t outputs, at::TensorList weights,
+                        const c10::List<std::optional<at::Tensor>>& factors,
+                        const c10::List<std::optional<at::Tensor>>& tables,
+                        const c10::List<std::optional<at::Tensor>>& biases) {
+  at::Tensor y = linear(x, weights[i], factors.get(i), tables.get(i));
+  TORCH_CHECK(y.size(1) == outputs, "few_rows: llama_step's product ", i, " has ", y.size(1), " outputs, not ",
+              outputs);
+  float* yp = y.data_ptr<float>();
+  const int64_t R = y.size(0), N = y.size(1);
+  const std::optional<at::Tensor> bias = biases.get(i);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
+              "few_rows: llama_step's biases must be float32 [outputs]");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < R; r++) add_rounded<T>(yp + r * N, b, N, yp + r * N);
+  return y;
+}
+
+template <class T>
+at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& embeddings,
+                           const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
+                           const c10::List<std::optional<at::Tensor>>& factors,
+                           const c10::List<std::optional<at::Tensor>>& tables,
+                           const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
+                           at::TensorList v_caches, int64_t n_heads, int64_t n_kv_heads, double eps) {
+  const int64_t B = tokens.size(0), S = tokens.size(1), R = B * S, dim = embeddings.size(1);
+  const int64_t layers = k_caches.size(), D = k_caches[0].size(3), slots = k_caches[0].size(2);
+  const int64_t G = n_heads / n_kv_heads, half = cos.size(1), Q = n_heads * D, KV = n_kv_heads * D;
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const T* table = reinterpret_cast<const T*>(embeddings.data_ptr());
+  const auto floats = embeddings.options().dtype(at::kFloat);
+  std::vector<float> x(R * dim);  // the residual stream, values of T
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t i = 0; i < dim; i++) x[r * dim + i] = float(table[token[r] * dim + i]);
+  at::Tensor h = at::empty({R, dim}, floats), a = at::empty({R, Q}, floats);
+  at::Tensor q = at::empty({B, n_kv_heads, G * S, D}, embeddings.options());
+  T* qp = reinterpret_cast<T*>(q.data_ptr());
+  float* hp = h.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  for (int64_t l = 0; l < layers; l++) {
+    rms_norm_rows<T>(x.data(), norms[2 * l], eps, R, dim, hp);
+    const at::Tensor qkv = step_product<T>(h, 4 * l, Q + 2 * KV, weights, factors, tables, biases);
+    const float* qkv_p = qkv.data_ptr<float>();
+    T* kc = reinterpret_cast<T*>(k_caches[l].data_ptr());
+    T* vc = reinterpret_cast<T*>(v_caches[l].data_ptr());
+    for (int64_t r = 0; r < R; r++) {
+      const int64_t b = r / S, t = r % S, p = pos[r];
+      const float* row = qkv_p + r * (Q + 2 * KV);
+      const float *c = cos_p + p * half, *s = sin_p + p * half;
+      for (int64_t head = 0; head < n_heads; head++)  // q [B, KV heads, G * S, D], row g * S + t of its KV head
+        rotate(row + head * D, c, s, half, D, qp + ((b * n_kv_heads + head / G) * G * S + (head % G) * S + t) * D);
+      for (int64_t head = 0; head < n_kv_heads; head++) {
+        const int64_t slot = ((b * n_kv_heads + head) * slots + p) * D;
+        rotate(row + Q + head * D, c, s, half, D, kc + slot);
+        for (int64_t j = 0; j < D; j++) vc[slot + j] = T(row[Q + KV + head * D + j]);
+      }
+    }
+    const at::Tensor y = attention_rows<T>(q, k_caches[l], v_caches[l], positions);
+    const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+    for (int64_t r = 0; r < R; r++)  // y [B, H, S, D] -> a [B * S, H * D]
+      for (int64_t head = 0; head < n_heads; head++)
+        for (int64_t j = 0; j < D; j++)
+          ap[r * Q + head * D + j] = float(yp[(((r / S) * n_heads + head) * S + r % S) * D + j]);
+    const at::Tensor o = step_product<T>(a, 4 * l + 1, dim, weights, factors, tables, biases);
+    add_rounded<T>(x.data(), o.data_ptr<float>(), R * dim, x.data());
+    rms_norm_rows<T>(x.data(), norms[2 * l + 1], eps, R, dim, hp);
+    const int64_t I = weights[4 * l + 2].size(0) / 2;
+    const at::Tensor gate_up = step_product<T>(h, 4 * l + 2, 2 * I, weights, factors, tables, biases);
+    at::Tensor m = at::empty({R, I}, floats);
+    const float* gu = gate_up.data_ptr<float>();
+    float* mp = m.data_ptr<float>();
+    for (int64_t r = 0; r < R; r++) silu_times<T>(gu + r * 2 * I, gu + r * 2 * I + I, I, mp + r * I);
+    const at::Tensor down = step_product<T>(m, 4 * l + 3, dim, weights, factors, tables, biases);
+    add_rounded<T>(x.data(), down.data_ptr<float>(), R * dim, x.data());
+  }
+  rms_norm_rows<T>(x.data(), norms[2 * layers], eps, R, dim, hp);
+  const int64_t V = weights[4 * layers].size(0);
+  const at::Tensor logits = step_product<T>(h, 4 * layers, V, weights, factors, tables, biases);
+  if constexpr (std::is_same_v<T, float>) {
+    return logits.view({B, S, V});
+  } else {  // values of T already: their upper halves
+    at::Tensor out = at::empty({B, S, V}, embeddings.options());
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(logits.data_ptr<float>());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < R * V; i++) op[i] = uint16_t(bits[i] >> 16);
+    return out;
+  }
+}
+
+at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& embeddings,
+                      const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
+                      const c10::List<std::optional<at::Tensor>>& factors,
+                      const c10::List<std::optional<at::Tensor>>& tables,
+                      const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
+                      at::TensorList v_caches, int64_t n_heads, int64_t n_kv_heads, double eps) {
+  const int64_t layers = k_caches.size();
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                  positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "few_rows: llama_step takes contiguous int64 tokens and positions [B, S]");
+  TORCH_CHECK(layers > 0 && int64_t(v_caches.size()) == layers && int64_t(norms.size()) == 2 * layers + 1 &&
+                  int64_t(weights.size()) == 4 * layers + 1 && int64_t(factors.size()) == 4 * layers + 1 &&
+                  int64_t(tables.size()) == 4 * layers + 1 && int64_t(biases.size()) == 4 * layers + 1,
+              "few_rows: llama_step takes 2 norms and 4 products per layer, a final norm and the LM head");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && n_heads % n_kv_heads == 0,
+              "few_rows: llama_step takes float32 rotary tables [positions, rotary_dim / 2]");
+  const int64_t B = tokens.size(0), slots = k_caches[0].size(2), vocabulary = embeddings.size(0);
+  for (int64_t l = 0; l < layers; l++)
+    TORCH_CHECK(k_caches[l].dim() == 4 && k_caches[l].size(0) == B && k_caches[l].size(1) == n_kv_heads &&
+                    k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
+                    k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+                    k_caches[l].scalar_type() == embeddings.scalar_type() &&
+                    v_caches[l].scalar_type() == embeddings.scalar_type(),
+                "few_rows: llama_step's caches must be contiguous [B, n_kv_heads, slots, head dim] in the model's dtype");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) >= slots &&
+                  2 * cos.size(1) <= k_caches[0].size(3) && embeddings.dim() == 2 && embeddings.is_contiguous(),
+              "few_rows: llama_step's rotary tables or embeddings do not fit its caches");
+  for (int64_t i = 0; i < tokens.numel(); i++) {
+    const int64_t token = tokens.data_ptr<int64_t>()[i], position = positions.data_ptr<int64_t>()[i];
+    TORCH_CHECK(token >= 0 && token < vocabulary, "few_rows: token ", token, " is outside the vocabulary of ",
+                vocabulary);
+    TORCH_CHECK(position >= 0 && position < slots, "few_rows: position ", position, " is outside the cache of ",
+                slots);
+  }
+  for (int64_t l = 0; l <= 2 * layers; l++)
+    TORCH_CHECK(norms[l].numel() == embeddings.size(1) && norms[l].scalar_type() == embeddings.scalar_type() &&
+                    norms[l].is_contiguous(),
+                "few_rows: llama_step's norm weights must be [dim] in the model's dtype");
+  switch (embeddings.scalar_type()) {
+    case at::kBFloat16:
+      return llama_step_rows<c10::BFloat16>(tokens, positions, embeddings, cos, sin, norms, weights, factors, tables,
+                                            biases, k_caches, v_caches, n_heads, n_kv_heads, eps);
+    case at::kFloat:
+      return llama_step_rows<float>(tokens, positions, embeddings, cos, sin, norms, weights, factors, tables, biases,
+                                    k_caches, v_caches, n_heads, n_kv_heads, eps);
+    default: TORCH_CHECK(false, "few_rows: llama_step dtype must be bfloat16 or float32, not ", embeddings.scalar_type());
+  }
+}
+
 // Python 3.11+ keeps each thread's frames in 16 KB chunks from its arena allocator (mmap) and unmaps a chunk as
 // soon as the frame at its base returns. When a compiled step's generated `call` frame ends near a chunk's end,
 // every op it calls through a Python frame (each product, each attention) maps a chunk and unmaps it again, and
@@ -1106,6 +1353,9 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("product(Tensor x, Tensor weight, Tensor? factors, Tensor? table) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("llama_step(Tensor tokens, Tensor positions, Tensor embeddings, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] weights, Tensor?[] factors, Tensor?[] tables, Tensor?[] biases, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps) -> Tensor");
   m.def("packed_fp6_is_fast() -> bool", [] { return kFastFp6; });
 }
 
@@ -1113,4 +1363,5 @@ TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("product", &linear);
   m.impl("attention", &attention);
   m.impl("argmax", &argmax);
+  m.impl("llama_step", &llama_step);
 }

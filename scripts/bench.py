@@ -2,7 +2,9 @@
 
     python scripts/bench.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --dtype bf16
 
-Rows: this project's compiled decode, its eager decode, and `transformers`' generate on the same weights;
+Rows: this project's compiled decode (on CPU a Llama-family model's step is one few_rows.cpp call, which needs
+no compiling: its "compile s" is the warm-up alone), its eager decode, and `transformers`' generate on the same
+weights;
 quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
 is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file).
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
@@ -198,7 +200,7 @@ def main(argv=None):
         else:
             sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
                      "spec-DRAFTER[-K]")
-        name = {"compiled": "ours, torch.compile", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
+        name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
         setups.append((name, row_bytes, warm, run, compiled))
         print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
     rates = [[] for _ in setups]

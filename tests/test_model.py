@@ -78,6 +78,104 @@ def test_ragged_rows_and_verify_shaped_forward_match_single_row_decode(tiny, nam
                 torch.testing.assert_close(logits[b, 0], expected[b][n + 4 + step], rtol=0, atol=1e-5)
 
 
+def stacked_model(dtype, family="llama", **overrides):
+    """A random model with q/k/v and gate/up stacked as load_model stacks them (FusedProducts)."""
+    from model import ModelArgs, Transformer
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96)
+    model = Transformer(ModelArgs(**{**sizes, **overrides}, family=family))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model = model.to(dtype).eval()
+    for block in model.layers:
+        block.fuse_products()
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_in_one_call_computes_what_forward_computes(dtype):
+    """few_rows.cpp's llama_step against model.py's forward in PyTorch from the same cache, with q/k/v biases
+    (Qwen2), grouped KV heads and rotary on part of each head: a decode (2 rows), a verify (2 x 5) and 2 x 8 rows
+    at positions far apart. bf16: it rounds where eager PyTorch rounds and sums RMSNorm's squares in PyTorch's
+    order, so the logits and the cache entries it writes are the same bits (a sequential sum matched SmolLM2's
+    eager steps in 17 of 40); float32: within 1e-5 (rotary's products may be fused differently)."""
+    model = stacked_model(dtype, qkv_bias=True, rotary_dim=8)
+    model.setup_caches(2, 64)
+    assert model.one_call_operands is not None
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 20)), torch.arange(20).expand(2, 20), torch.tensor([[19], [12]]))
+        for tokens, positions in [(torch.tensor([[7], [9]]), torch.tensor([[20], [13]])),
+                                  (torch.randint(0, 256, (2, 5)), torch.tensor([[21], [14]]) + torch.arange(5)),
+                                  (torch.randint(0, 256, (2, 8)), torch.tensor([[30], [3]]) + torch.arange(8))]:
+            before = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
+            assert model.step_in_one_call(tokens)
+            one_call = model(tokens, positions)
+            written = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
+            for c, (k, v) in zip(caches, before):
+                c.k_cache.copy_(k)
+                c.v_cache.copy_(v)
+            operands, model.one_call_operands = model.one_call_operands, None
+            expected = model(tokens, positions)
+            model.one_call_operands = operands
+            tolerance = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(one_call, expected, **tolerance)
+            for (k, v), c in zip(written, caches):
+                torch.testing.assert_close(k, c.k_cache, **tolerance)
+                torch.testing.assert_close(v, c.v_cache, **tolerance)
+
+
+def test_smollm2_bf16_steps_in_one_call_are_eager_pytorch_bit_for_bit(smollm2):
+    """Real weights, bf16: 24 decode steps of random tokens and a 5-row verify from the same cache states, one call
+    against model.py's forward in eager PyTorch: the same logits, bit for bit. (With RMSNorm's squares summed in
+    sequence instead of in PyTorch's order, 17 of 40 such steps were.)"""
+    ckpt, _ = smollm2
+    model = load_model(ckpt, "cpu", torch.bfloat16)
+    model.setup_caches(1, 256)
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model(torch.randint(0, 49152, (1, 80), generator=generator), torch.arange(80)[None], torch.tensor([[79]]))
+        for i in range(25):
+            rows = 5 if i == 24 else 1
+            tokens = torch.randint(0, 49152, (1, rows), generator=generator)
+            positions = torch.arange(80 + i, 80 + i + rows)[None]
+            before = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
+            one_call = model(tokens, positions)
+            for c, (k, v) in zip(caches, before):
+                c.k_cache.copy_(k)
+                c.v_cache.copy_(v)
+            operands, model.one_call_operands = model.one_call_operands, None
+            expected = model(tokens, positions)
+            model.one_call_operands = operands
+            assert torch.equal(one_call, expected), (i, (one_call.float() - expected.float()).abs().max())
+
+
+def test_a_step_runs_in_one_call_only_where_it_can():
+    """Llama-family few-row steps on CPU in bf16 or float32 run as one call, and a compiled step then compiles
+    nothing; prompts (logits of chosen positions), more than 16 rows, CodeGen, fp16 and unstacked layers take
+    model.py's forward."""
+    from generate import CompiledStep, decode_one_token
+    from torch._dynamo.utils import counters
+    model = stacked_model(torch.bfloat16)
+    model.setup_caches(16, 64)
+    assert model.step_in_one_call(torch.zeros(1, 16)) and not model.step_in_one_call(torch.zeros(1, 17))
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    step = CompiledStep(decode_one_token)
+    with torch.no_grad():
+        step(model, torch.arange(16) % 7, torch.zeros(16, dtype=torch.long), 0.0, None, None)
+        assert counters["stats"]["unique_graphs"] == graphs
+    for other in (stacked_model(torch.bfloat16, family="codegen"), stacked_model(torch.float16),
+                  stacked_model(torch.float32, n_layers=3)):
+        if other.args.n_layers == 3:
+            other.layers[2].attention.wqkv = None  # one layer's q/k/v as three products
+        other.setup_caches(1, 64)
+        assert other.one_call_operands is None
+
+
 def few_rows_cases():
     """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (one case: its first 1520 columns), the
     float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16 weights without

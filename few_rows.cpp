@@ -1130,7 +1130,8 @@ void rms_norm_rows(const float* x, const at::Tensor& weight, double eps, int64_t
     const float* xr = x + r * dim;
     const float scale = 1.f / std::sqrt(sum_of_squares(xr, dim) / float(dim) + float(eps));
     int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) store8(out + r * dim + i, rounded8<T>(load8(w + i) * rounded8<T>(load8(xr + i) * scale)));
+    for (; i + 8 <= dim; i += 8)
+      store8(out + r * dim + i, rounded8<T>(load8(w + i) * rounded8<T>(load8(xr + i) * scale)));
     for (; i < dim; i++) out[r * dim + i] = rounded<T>(float(w[i]) * rounded<T>(xr[i] * scale));
   }
 }
@@ -1266,7 +1267,7 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
                     k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
                     k_caches[l].scalar_type() == embeddings.scalar_type() &&
                     v_caches[l].scalar_type() == embeddings.scalar_type(),
-                "few_rows: llama_step's caches must be contiguous [B, n_kv_heads, slots, head dim] in the model's dtype");
+                "few_rows: llama_step's caches must be contiguous [B, KV heads, slots, head dim] in the model's dtype");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) >= slots &&
                   2 * cos.size(1) <= k_caches[0].size(3) && embeddings.dim() == 2 && embeddings.is_contiguous(),
               "few_rows: llama_step's rotary tables or embeddings do not fit its caches");
@@ -1288,7 +1289,8 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
     case at::kFloat:
       return llama_step_rows<float>(tokens, positions, embeddings, cos, sin, norms, weights, factors, tables, biases,
                                     k_caches, v_caches, n_heads, n_kv_heads, eps);
-    default: TORCH_CHECK(false, "few_rows: llama_step dtype must be bfloat16 or float32, not ", embeddings.scalar_type());
+    default:
+      TORCH_CHECK(false, "few_rows: llama_step dtype must be bfloat16 or float32, not ", embeddings.scalar_type());
   }
 }
 

@@ -231,8 +231,8 @@ class CompiledStep:
     can reach its graphs: it compiles a private copy of fn's code (Dynamo keeps graphs per code object, and two
     compiles of one function would share them) and refuses to be called with a second model. A step whose
     forward is one few_rows.cpp call (model.Transformer.step_in_one_call: a Llama-family model's few-row steps
-    on CPU) runs as it is: compiled, its ~15 Python operations around that call would cost Dynamo's entry and
-    guards (~0.3 ms) and save nothing."""
+    on CPU) runs as it is: compiled around that call, an int8 SmolLM2 decode step took 6.18 ms against 5.90 (Dynamo's
+    entry, guards and ~400 inputs gathered) after 4.6 s of compiling."""
 
     def __init__(self, fn, device="cpu"):
         private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,

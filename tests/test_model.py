@@ -135,7 +135,7 @@ def test_a_step_in_one_call_computes_what_forward_computes(dtype):
 def test_smollm2_bf16_steps_in_one_call_are_eager_pytorch_bit_for_bit(smollm2):
     """Real weights, bf16: 24 decode steps of random tokens and a 5-row verify from the same cache states, one call
     against model.py's forward in eager PyTorch: the same logits, bit for bit. (With RMSNorm's squares summed in
-    sequence instead of in PyTorch's order, 17 of 40 such steps were.)"""
+    sequence instead of in PyTorch's order, 18 of 40 such steps were.)"""
     ckpt, _ = smollm2
     model = load_model(ckpt, "cpu", torch.bfloat16)
     model.setup_caches(1, 256)
@@ -151,8 +151,8 @@ def test_smollm2_bf16_steps_in_one_call_are_eager_pytorch_bit_for_bit(smollm2):
 
 def test_a_step_runs_in_one_call_only_where_it_can():
     """Llama-family few-row steps on CPU in bf16 or float32 run as one call, and a compiled step then compiles
-    nothing; prompts (logits of chosen positions), more than 16 rows, CodeGen, fp16 and unstacked layers take
-    model.py's forward."""
+    nothing; a position past the cache is refused, not written; prompts (logits of chosen positions), more than
+    16 rows, CodeGen, fp16 and unstacked layers take model.py's forward."""
     from generate import CompiledStep, decode_one_token
     from torch._dynamo.utils import counters
     model = stacked_model(torch.bfloat16)
@@ -164,6 +164,12 @@ def test_a_step_runs_in_one_call_only_where_it_can():
     with torch.no_grad():
         step(model, torch.arange(16) % 7, torch.zeros(16, dtype=torch.long), 0.0, None, None)
         assert counters["stats"]["unique_graphs"] == graphs
+        # torch.compile of forward itself traces the call as one op (its fake implementation gives the shape)
+        tokens, positions = torch.arange(16)[:, None], torch.ones(16, 1, dtype=torch.long)
+        compiled = torch.compile(model.forward, fullgraph=True)(tokens, positions)
+        assert torch.equal(compiled, model(tokens, positions))
+        with pytest.raises(RuntimeError, match="position 64 is outside the cache of 64"):
+            model(tokens, positions * 64)
     for other in (stacked_model(torch.bfloat16, family="codegen"), stacked_model(torch.float16),
                   stacked_model(torch.float32, n_layers=3)):
         if other.args.n_layers == 3:

@@ -390,21 +390,17 @@ int64_t block_shift(int64_t K, int64_t blocks, const char* what) {
 }
 
 // int4 products take 8-bit activations, as llama.cpp's 4-bit formats do: a block of 32 codes times 32 rounded
-// activations is then an exact integer dot product (vpmaddubsw), one instruction per 32 multiplies where
-// converting the codes to float took one per 8 (SmolLM2's 211 products: 8.6 vs 11.3 ms at one row, Zen 3).
+// activations is then an exact integer dot product (vpdpbusd with AVX512_VNNI, else vpmaddubsw and vpmaddwd), one
+// or two instructions per 32 multiplies where converting the codes to float took one per 8 (SmolLM2's 211
+// products: 8.6 vs 11.3 ms at one row, Zen 3).
 // Each input row is rounded per block b of 32 along k to q * d_b, d_b = max|x| / 127, q = round(x / d_b)
 // (quantize.round_activations, the same formula for the rows few_rows.cpp does not take). With the weights
 // w = code * scale + offset per group g: y = sum_b scale_g d_b dot_b + sum_g offset_g sum_(b in g) d_b sum(q_b).
 struct RoundedRows {
-  std::vector<int8_t> q;          // [M, K]; within each block of 32, in the order the nibbles unpack
+  std::vector<int8_t> q;          // [M, K]
   std::vector<float> d;           // [M, K / 32]
   std::vector<float> group_sums;  // [M, K / group]: sum over the group's blocks of d_b * sum(q_b)
 };
-
-// Codes of bytes k/2 .. k/2 + 15 (Int4Linear's runtime layout: byte j of 8 holds code j low, j + 8 high) as 32
-// bytes, low nibbles then high ones: codes k + (0..7, 16..23, 8..15, 24..31). An activation block is stored
-// in that order, `unpacked_position` being where its element j goes.
-inline int unpacked_position(int j) { return j < 8 || j >= 24 ? j : j < 16 ? j + 8 : j - 8; }
 
 RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
   const int64_t blocks = K / 32, per_group = (int64_t(1) << shift) / 32;
@@ -418,7 +414,7 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
     for (int j = 0; j < 32; j++) {
       const float q = d > 0 ? std::nearbyint(xb[j] / d) : 0.f;  // ties to even, as torch.round
       const int8_t code = std::isfinite(q) ? int8_t(q) : 0;
-      r.q[b * 32 + unpacked_position(j)] = code;
+      r.q[b * 32 + j] = code;
       sum += code;
     }
     r.d[b] = d;
@@ -428,12 +424,26 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
   return r;
 }
 
-// C weight rows n0.. times R rounded rows m0..: one 8-lane float sum per output over the blocks in order, then
-// a fixed tree, plus the offsets' sum, which runs group by group in its own scalar chain alongside the blocks;
-// every output the same arithmetic whatever R and C. (Added after the tree, the offsets were a chain of G
-// dependent multiply-adds per output that nothing overlapped: Zen 1 class EPYC, 2 threads, a 49152 x 576 int4
-// product at 1 row 2.33 -> 1.85 ms, at 5 rows 8.56 -> 7.37.) (AVX-512 builds run the same 256-bit code: 32
-// codes a step is what one 16-byte load of nibbles gives.)
+// Int4Linear's runtime layout (quantize.int4_runtime): each 64 codes of a row in 32 bytes, byte j holding code j
+// in its low nibble and code 32 + j in its high one, so one mask and one shift of a 32-byte load give two blocks
+// of 32 codes in order; where K ends in a lone block, its 16 bytes hold code j low and code 16 + j high. Code i
+// of a row, for the plain code below:
+inline int int4_code(const uint8_t* row, int64_t K, int64_t i) {
+  const int64_t chunk = i / 64 * 64, span = std::min<int64_t>(64, K - chunk), j = i - chunk;
+  const uint8_t byte = row[chunk / 2 + j % (span / 2)];
+  return j < span / 2 ? byte & 15 : byte >> 4;
+}
+
+// C weight rows n0.. times R rounded rows m0..: one 8-lane float sum per output over the blocks in order (lane l of
+// a block: the integer dot product of its codes 4l .. 4l + 3), then a fixed tree, plus the offsets' sum, which runs
+// group by group in its own scalar chain alongside the blocks; every output the same arithmetic whatever R and C.
+// (Added after the tree, the offsets were a chain of G dependent multiply-adds per output that nothing overlapped:
+// Zen 1 class EPYC, 2 threads, a 49152 x 576 int4 product at 1 row 2.33 -> 1.85 ms, at 5 rows 8.56 -> 7.37.)
+// Two blocks a step from one 32-byte load (a mask and a shift per 32 codes), where one block a step from 16 bytes
+// took a shift, an insert and a mask, and an activation order to match: SmolLM2 int4 steps on Zen 4 (one call,
+// both layouts in one process, three runs of 30-40 alternating blocks) 4.68-5.05 -> 4.34-4.78 ms at 1 row,
+// 14.3-15.7 -> 11.9-14.3 at 5 (vpdpbusd included; a broadcast load and a multiply for each block's scale instead
+// of a scalar product and a broadcast: 11% slower at 5 rows).
 template <int R, int C>
 __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* groups, const RoundedRows& a,
                                          int64_t K, int64_t N, int64_t shift, int64_t m0, int64_t n0, float* y) {
@@ -442,7 +452,7 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
   const float* g[C];
   for (int c = 0; c < C; c++) w[c] = nibbles + (n0 + c) * (K / 2), g[c] = groups + 2 * (n0 + c) * G;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_set1_epi8(15);
   __m256 acc[R][C];
   float offsets[R][C];
   for (int r = 0; r < R; r++)
@@ -457,57 +467,88 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
       for (int c = 0; c < C; c++)
         offsets[r][c] = std::fma(g[c][2 * group + 1], a.group_sums[(m0 + r) * G + group], offsets[r][c]);
   };
+  // Block k (32 codes in order) of weight row c times each row's block, into the rows' sums.
+  const auto add_block = [&](const __m256i* codes, int64_t k) {
+    const int64_t b = k >> 5, group = k >> shift;
+    add_offsets(k);
+    for (int r = 0; r < R; r++) {
+      const __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + k));
+      const float d = a.d[(m0 + r) * (K / 32) + b];
+      for (int c = 0; c < C; c++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[c], xq);
+#else
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[c], xq), _mm256_set1_epi16(1));
+#endif
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(g[c][2 * group] * d), acc[r][c]);
+      }
+    }
+  };
 #if defined(__znver1__)
   // One row on a Zen 1 class core (256-bit AVX2 run as two 128-bit halves; -march=native defines __znver1__)
-  // in 128-bit halves: the same lanes, sums and tree, so the same bits, without the 256-bit insert and broadcast
-  // that cost two operations each there. A 49152 x 576 product at 1 row 1.85 -> 1.64-1.73 ms (2 threads); int4
-  // decode 0.93-1.00x -> 1.05-1.09x llama.cpp's Q4_1. At 2 rows the halves were slower (3.00 -> 3.32 ms).
+  // in 128-bit halves: the same lanes, sums and tree, so the same bits, without the 256-bit broadcast of each
+  // block's scale that costs two operations there. In the earlier layout (an insert per 32 codes too), a 49152 x
+  // 576 product at 1 row 1.85 -> 1.64-1.73 ms (2 threads), int4 decode 0.93-1.00x -> 1.05-1.09x llama.cpp's
+  // Q4_1; at 2 rows the halves were slower (3.00 -> 3.32 ms).
   if constexpr (R == 1) {
-    const __m128i ones4 = _mm_set1_epi16(1), low4 = _mm_set1_epi8(15);
+    const __m128i ones = _mm_set1_epi16(1), low4 = _mm_set1_epi8(15);
     __m128 lo_acc[C], hi_acc[C];  // lanes 0-3 and 4-7 of acc[0][c]
     for (int c = 0; c < C; c++) lo_acc[c] = hi_acc[c] = _mm_setzero_ps();
     const int8_t* q = a.q.data() + m0 * K;
     const float* d = a.d.data() + m0 * (K / 32);
-    for (int64_t k = 0; k < K; k += 32) {
-      __m128i lo[C], hi[C];
-      for (int c = 0; c < C; c++) {
-        const __m128i packed = _mm_loadu_si128((const __m128i*)(w[c] + k / 2));
-        lo[c] = _mm_and_si128(packed, low4);
-        hi[c] = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
-        __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
-      }
-      const int64_t group = k >> shift;
+    const auto add_halves = [&](const __m128i* lo, const __m128i* hi, int64_t k) {  // codes 0-15, 16-31
       add_offsets(k);
       const __m128i xlo = _mm_loadu_si128((const __m128i*)(q + k)), xhi = _mm_loadu_si128((const __m128i*)(q + k + 16));
       for (int c = 0; c < C; c++) {
-        const __m128 scale = _mm_set1_ps(g[c][2 * group] * d[k >> 5]);
-        const __m128i dot_lo = _mm_madd_epi16(_mm_maddubs_epi16(lo[c], xlo), ones4);
-        const __m128i dot_hi = _mm_madd_epi16(_mm_maddubs_epi16(hi[c], xhi), ones4);
-        lo_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_lo), scale, lo_acc[c]);
-        hi_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_hi), scale, hi_acc[c]);
+        const __m128 scale = _mm_set1_ps(g[c][2 * (k >> shift)] * d[k >> 5]);
+        lo_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_maddubs_epi16(lo[c], xlo), ones)), scale, lo_acc[c]);
+        hi_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_maddubs_epi16(hi[c], xhi), ones)), scale, hi_acc[c]);
       }
+    };
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      __m128i lo[C], hi[C], lo2[C], hi2[C];
+      for (int c = 0; c < C; c++) {
+        const __m128i p0 = _mm_loadu_si128((const __m128i*)(w[c] + k / 2));
+        const __m128i p1 = _mm_loadu_si128((const __m128i*)(w[c] + k / 2 + 16));
+        lo[c] = _mm_and_si128(p0, low4), hi[c] = _mm_and_si128(p1, low4);
+        lo2[c] = _mm_and_si128(_mm_srli_epi16(p0, 4), low4), hi2[c] = _mm_and_si128(_mm_srli_epi16(p1, 4), low4);
+        __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
+      }
+      add_halves(lo, hi, k);
+      add_halves(lo2, hi2, k + 32);
+    }
+    if (k < K) {
+      __m128i lo[C], hi[C];
+      for (int c = 0; c < C; c++) {
+        const __m128i p = _mm_loadu_si128((const __m128i*)(w[c] + k / 2));
+        lo[c] = _mm_and_si128(p, low4), hi[c] = _mm_and_si128(_mm_srli_epi16(p, 4), low4);
+      }
+      add_halves(lo, hi, k);
     }
     for (int c = 0; c < C; c++) acc[0][c] = _mm256_set_m128(hi_acc[c], lo_acc[c]);
   } else
 #endif
   {
-    for (int64_t k = 0; k < K; k += 32) {
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      __m256i first[C], second[C];
+      for (int c = 0; c < C; c++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(w[c] + k / 2));
+        first[c] = _mm256_and_si256(packed, low);
+        second[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
+      }
+      add_block(first, k);
+      add_block(second, k + 32);
+    }
+    if (k < K) {  // a lone last block
       __m256i codes[C];
       for (int c = 0; c < C; c++) {
         const __m128i packed = _mm_loadu_si128((const __m128i*)(w[c] + k / 2));
         codes[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-        __builtin_prefetch(w[c] + k / 2 + PREFETCH_BYTES);
       }
-      const int64_t b = k >> 5, group = k >> shift;
-      add_offsets(k);
-      for (int r = 0; r < R; r++) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + k));
-        const float d = a.d[(m0 + r) * (K / 32) + b];
-        for (int c = 0; c < C; c++) {
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[c], xq), ones);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(g[c][2 * group] * d), acc[r][c]);
-        }
-      }
+      add_block(codes, k);
     }
   }
 #endif
@@ -517,22 +558,17 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
       // The 8 lanes in a fixed tree (lanes j + 4, j + 2, j + 1), the same instructions in an AVX-512 build.
       const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
       const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-      float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+      const float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+      const float offset = offsets[r][c];
 #else
       float sum = 0.f, offset = 0.f;
       for (int64_t group = 0; group < G; group++)
         offset = std::fma(g[c][2 * group + 1], a.group_sums[(m0 + r) * G + group], offset);
       for (int64_t k = 0; k < K; k += 32) {
         int dot = 0;
-        for (int j = 0; j < 32; j++) {
-          const uint8_t byte = w[c][k / 2 + (j & 15)];
-          dot += (j < 16 ? byte & 15 : byte >> 4) * a.q[(m0 + r) * K + k + j];
-        }
+        for (int j = 0; j < 32; j++) dot += int4_code(w[c], K, k + j) * a.q[(m0 + r) * K + k + j];
         sum += float(dot) * (g[c][2 * (k >> shift)] * a.d[(m0 + r) * (K / 32) + k / 32]);
       }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-      const float offset = offsets[r][c];
 #endif
       y[(m0 + r) * N + n0 + c] = sum + offset;
     }

@@ -106,12 +106,14 @@ def round_activations(x):
 
 
 def int4_runtime(codes, scales_and_zeros):
-    """few_rows.cpp's int4 layout from the file's: codes [N, K] (0..15) with byte j of each 8 holding code j
-    in its low nibble and code j + 8 in its high one (two bit operations unpack 32 codes into bytes), and float32
+    """few_rows.cpp's int4 layout from the file's: codes [N, K] (0..15) with byte j of each 32 holding code j of
+    each 64 in its low nibble and code 32 + j in its high one (a mask and a shift unpack two blocks of 32 codes
+    into bytes; a last lone block of 32: byte j of 16 holds codes j and 16 + j), and float32
     (scale, zero - 8 * scale) per group [N, K / g, 2]: w = q * scale + offset."""
     n, k = codes.shape
-    halves = codes.view(n, k // 16, 2, 8)
-    nibbles = (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(n, k // 2)
+    whole = k // 64 * 64
+    pairs = [codes[:, :whole].reshape(n, -1, 2, 32)] + ([codes[:, whole:].reshape(n, 1, 2, 16)] if k > whole else [])
+    nibbles = torch.cat([(p[:, :, 0] | p[:, :, 1] << 4).flatten(1) for p in pairs], 1)
     scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)
     return nibbles, torch.stack([scales, zeros - 8 * scales], -1).contiguous()
 

@@ -179,7 +179,7 @@ def test_a_step_runs_in_one_call_only_where_it_can():
 
 
 def few_rows_cases():
-    """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (one case: its first 1520 columns), the
+    """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (some cases: its first 1504 or 1520 columns), the
     float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16 weights without
     block factors when in_features is a multiple of 32 and for packed MX 6-bit codes, or for int4 x rounded to 8
     bits per block of 32)."""
@@ -193,6 +193,11 @@ def few_rows_cases():
     scales_and_zeros = torch.stack([torch.rand(k // 64, n) + 0.5, torch.randn(k // 64, n)], -1).bfloat16()
     nibbles, group_factors = quantize.int4_runtime(int4, scales_and_zeros)
     scale, offset = (t.repeat_interleave(64, 1) for t in group_factors.unbind(-1))
+    # groups of 32 and an odd number of 32-element blocks: the last one alone in its 16 bytes
+    int4_odd = int4[:, :-32].contiguous()
+    odd_nibbles, odd_factors = quantize.int4_runtime(int4_odd, torch.stack(
+        [torch.rand(k // 32 - 1, n) + 0.5, torch.randn(k // 32 - 1, n)], -1).bfloat16())
+    odd_scale, odd_offset = (t.repeat_interleave(32, 1) for t in odd_factors.unbind(-1))
     import mx
     fp6 = torch.randint(0, 64, (n, k), dtype=torch.uint8)
     e8m0 = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8)
@@ -227,6 +232,9 @@ def few_rows_cases():
                          codes * per_block.repeat_interleave(32, 1), same),
         "int4 x group": (lambda x: few_rows_linear(x, nibbles, group_factors), int4 * scale + offset,
                          quantize.round_activations),
+        "int4 x group of 32, K % 64 = 32": (
+            lambda x: few_rows_linear(x[:, :-32].contiguous(), odd_nibbles, odd_factors),
+            int4_odd * odd_scale + odd_offset, lambda x: quantize.round_activations(x[:, :-32])),
     }
 
 

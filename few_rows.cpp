@@ -498,11 +498,14 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
     const float* d = a.d.data() + m0 * (K / 32);
     const auto add_halves = [&](const __m128i* lo, const __m128i* hi, int64_t k) {  // codes 0-15, 16-31
       add_offsets(k);
-      const __m128i xlo = _mm_loadu_si128((const __m128i*)(q + k)), xhi = _mm_loadu_si128((const __m128i*)(q + k + 16));
+      const __m128i xlo = _mm_loadu_si128((const __m128i*)(q + k));
+      const __m128i xhi = _mm_loadu_si128((const __m128i*)(q + k + 16));
       for (int c = 0; c < C; c++) {
         const __m128 scale = _mm_set1_ps(g[c][2 * (k >> shift)] * d[k >> 5]);
-        lo_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_maddubs_epi16(lo[c], xlo), ones)), scale, lo_acc[c]);
-        hi_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_maddubs_epi16(hi[c], xhi), ones)), scale, hi_acc[c]);
+        const __m128i dot_lo = _mm_madd_epi16(_mm_maddubs_epi16(lo[c], xlo), ones);
+        const __m128i dot_hi = _mm_madd_epi16(_mm_maddubs_epi16(hi[c], xhi), ones);
+        lo_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_lo), scale, lo_acc[c]);
+        hi_acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_hi), scale, hi_acc[c]);
       }
     };
     int64_t k = 0;

@@ -179,10 +179,10 @@ def test_a_step_runs_in_one_call_only_where_it_can():
 
 
 def few_rows_cases():
-    """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (some cases: its first 1504 or 1520 columns), the
-    float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16 weights without
-    block factors when in_features is a multiple of 32 and for packed MX 6-bit codes, or for int4 x rounded to 8
-    bits per block of 32)."""
+    """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (some cases: its first 1504 or 1520
+    columns), the float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16
+    weights without block factors when in_features is a multiple of 32 and for packed MX 6-bit codes, or for int4
+    x rounded to 8 bits per block of 32)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 16 weight rows product() hands each tile call
     w = torch.randn(n, k)

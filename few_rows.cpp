@@ -11,7 +11,7 @@
 // once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order
 // (bf16: a pair of elements a lane at a time, see Bf16Pairs), then halves in a fixed tree. GCC/Clang vector
 // extensions, compiled with -march=native; the int8/bf16 -> float conversions, the bf16 pairs and the int4
-// integer dot products use AVX-512 (BF16) or AVX2 intrinsics where present, plain loops elsewhere.
+// integer dot products use AVX-512 (BF16, VNNI) or AVX2 intrinsics where present, plain loops elsewhere.
 #include <Python.h>  // first, as Python asks
 
 #include <ATen/Parallel.h>

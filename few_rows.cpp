@@ -1,10 +1,10 @@
-// Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the 1-16 rows of a decode, draft or verify
-// step, with w stored as bf16, fp32 or int8 (times per-channel or per-block factors), as int4 nibbles (times
-// a per-group scale plus offset, against activations rounded to 8 bits: see round_rows) or as packed MX 6-bit
-// codes (a table of their values, times an E8M0 scale per block of 32: see Fp6Table); those rows'
-// attention over the KV cache; the argmax of their logits; and a whole step of a Llama-family model, every layer
-// and the LM head, in one call (llama_step). Built at first use by model.py, which also has it keep Python's freed
-// frame chunks (keep_frame_chunks, at the end).
+// Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the rows of a decode, draft or verify step
+// (1 to 33 tokens a row, any number of rows), with w stored as bf16, fp32 or int8 (times per-channel or per-block
+// factors), as int4 nibbles (times a per-group scale plus offset, against activations rounded to 8 bits: see
+// round_rows) or as packed MX 6-bit codes (a table of their values, times an E8M0 scale per block of 32: see
+// Fp6Table); those rows' attention over the KV cache; the argmax of their logits; and a whole step of a
+// Llama-family model, every layer and the LM head, in one call (llama_step). Built at first use by model.py, which
+// also has it keep Python's freed frame chunks (keep_frame_chunks, at the end).
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float

@@ -3,10 +3,14 @@
     python generate.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --prompt "def fib(n):" --compile
 """
 import argparse
+import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
+import math
 import mmap
+import os
 import struct
 import sys
 import time
@@ -18,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import InputError, ModelArgs, Transformer, argmax, build_few_rows_kernels, HugePages, move_to_huge_pages
+from model import (MAX_SPECULATE_K, InputError, ModelArgs, Transformer, argmax, build_few_rows_kernels, HugePages,
+                   move_to_huge_pages)
 from tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -46,7 +51,8 @@ def resolve_checkpoint(path) -> tuple[Path, Path]:
 
 
 def map_safetensors(path: Path) -> tuple[dict, dict]:
-    """Map a safetensors file read-only: tensors are views of the page cache, never a second copy."""
+    """Map a safetensors file read-only: tensors are views of the page cache, never a second copy. Every header
+    entry is checked (a JSON object of dtype, shape and data_offsets inside the file) before it is used."""
     try:
         with open(path, "rb") as f:
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -56,22 +62,34 @@ def map_safetensors(path: Path) -> tuple[dict, dict]:
         header = json.loads(buffer[8:8 + header_len])
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
         raise InputError(f"{path}: corrupt or truncated safetensors file ({e}); re-create it") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: the header is not a JSON object; the file is corrupt, re-create it")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{path}: __metadata__ is not an object of strings; the file is corrupt, re-create it")
     tensors, base = {}, 8 + header_len
     for name, info in header.items():
-        start, end = info["data_offsets"]
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if not isinstance(info, dict):
+            raise InputError(f"{path}: '{name}' is not a tensor entry; the file is corrupt, re-create it")
+        offsets, shape = info.get("data_offsets"), info.get("shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise InputError(f"{path}: tensor '{name}' has no valid data_offsets; the file is corrupt, re-create it")
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise InputError(f"{path}: tensor '{name}' has no valid shape; the file is corrupt, re-create it")
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise InputError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
+            raise InputError(f"{path}: tensor '{name}' has unsupported dtype {info.get('dtype')!r}")
+        start, end = offsets
         count = end - start
-        if base + end > len(buffer) or count != torch.Size(info["shape"]).numel() * dtype.itemsize:
+        if base + end > len(buffer) or count != torch.Size(shape).numel() * dtype.itemsize:
             raise InputError(f"{path}: tensor '{name}' lies outside the file or has the wrong size; the file "
                              "is truncated or corrupt, re-create it")
         with warnings.catch_warnings():  # the map is read-only; weights are never written in place
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=base + start) if count else \
                 torch.empty(0, dtype=torch.uint8)
-        tensors[name] = flat.view(dtype).view(info["shape"])
+        tensors[name] = flat.view(dtype).view(shape)
     return tensors, metadata
 
 
@@ -300,6 +318,110 @@ def presize_caches(model, drafter, batch_size, longest_prompt, max_new_tokens, s
     model.setup_caches(batch_size, length)
 
 
+class ThreadSizer:
+    """Sizes a decode loop's CPU threads to the cores other processes leave free, from its start to its end.
+
+    Threads that split every product and then wait for each other lose their turns to any other busy process:
+    with one busy loop beside it on 2 cores, SmolLM2's bf16 decode fell from ~140 to ~36-41 tok/s, where one
+    thread ran ~116 (Zen 5; llama.cpp collapses the same way). At the start it counts the other processes' tasks
+    that are running or waiting to (/proc/stat's procs_running less its own running threads, the least of three
+    looks: 0 on that idle machine, 1 beside the busy loop) and gives each a core. Then every ~0.1 s it reads how
+    busy its CPUs were less its own CPU time (its own spinning threads are its own): idle, the others took 0.0-0.1
+    cores, beside the busy loop 0.4-1.0. It runs one thread fewer while they take more than 0.3 of a core beyond
+    what it leaves them, and one more once they take less than 0.2 of the last one it gave up. Results do not
+    change: each output of a few-row step is summed by one thread. A no-op without /proc (not Linux) or on one
+    thread. generate restores the thread count it found (keeps_thread_count)."""
+
+    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __init__(self, interval=0.1):
+        self.most = self.threads = torch.get_num_threads()
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.spare = max(len(self.cpus) - self.most, 0)  # cores the others may take without slowing us
+        self.interval = interval
+        self.last = self.sample() if self.most > 1 else None
+        if self.last is not None and len(self.cpus) == os.cpu_count():  # procs_running counts every CPU's tasks
+            self.threads = max(1, self.most - max(0, min(self.others_running() for _ in range(3)) - self.spare))
+            torch.set_num_threads(self.threads)
+
+    def sample(self):
+        """(now, CPU seconds the CPUs we may run on were busy, this process's CPU seconds), or None."""
+        busy = 0
+        try:
+            with open("/proc/stat") as f:
+                for line in f:
+                    name, *ticks = line.split()
+                    if name.startswith("cpu") and name != "cpu" and int(name[3:]) in self.cpus:
+                        user, nice, system, _, _, irq, softirq, steal = map(int, ticks[:8])
+                        busy += user + nice + system + irq + softirq + steal
+        except (OSError, ValueError):
+            return None
+        return time.monotonic(), busy / self.TICK, time.process_time()
+
+    @staticmethod
+    def others_running() -> int:
+        """Tasks of other processes running or waiting to run now, in 0.5 ms (so a task passing by is missed)."""
+        time.sleep(0.0005)
+        try:
+            with open("/proc/stat") as f:
+                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+            ours = 0
+            for task in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/stat") as f:
+                    ours += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, ValueError, StopIteration):
+            return 0
+        return running - ours
+
+    def __call__(self):
+        if self.last is None or time.monotonic() - self.last[0] < self.interval:
+            return
+        sample = self.sample()
+        if sample is None:
+            self.last = None
+            return
+        wall, busy, ours = (b - a for a, b in zip(self.last, sample))
+        self.last = sample
+        taken = (busy - ours) / wall - self.spare  # cores the others take from the ones we run on
+        given = self.most - self.threads
+        if taken > given + 0.3 and self.threads > 1:
+            self.threads -= 1
+        elif taken < given - 0.8 and self.threads < self.most:
+            self.threads += 1
+        else:
+            return
+        torch.set_num_threads(self.threads)
+
+
+def steps_in_one_call(model, drafter) -> bool:
+    """Whether every step of this loop, the target's and a draft model's, is one few_rows.cpp call: the steps whose
+    results ThreadSizer cannot change (compiled steps would recompile for a new thread count, and Inductor's
+    reductions may split another way)."""
+    models = [model] + ([drafter.model] if hasattr(drafter, "model") else [])
+    return all(m.one_call_operands is not None for m in models)
+
+
+class NoSizer:  # steps that are not one few_rows.cpp call run on the threads they were given
+    threads = None
+
+    def __call__(self):
+        pass
+
+
+def keeps_thread_count(fn):
+    """The caller gets its thread count back from a loop whose ThreadSizer changed it, also after an error."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        threads = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+    return wrapper
+
+
+@keeps_thread_count
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
              top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5):
@@ -309,7 +431,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     overwritten as the row decodes. A row stops at its first EOS (kept in its output) or at max_new_tokens; the
     batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
     With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
-    "auto": chosen online by speculative.AdaptiveK).
+    "auto": chosen online by speculative.AdaptiveK). Where its steps are few_rows.cpp calls, the loop's threads
+    follow the cores other processes leave free (ThreadSizer); stats["threads"] is how many it ended with.
     """
     import tp
     from speculative import AdaptiveK, speculative_decode
@@ -343,6 +466,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     rounds, accept_counts, ks = 0, [0] * (k_max + 1), []
     draft_s = verify_s = 0.0
     drafted = tried = accepted = 0  # draft tokens proposed, judged, accepted
+    sizer = ThreadSizer() if steps_in_one_call(model, drafter) else NoSizer()
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
         if drafter is None:
@@ -385,7 +509,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
         token = torch.tensor([h[-1] for h in histories], device=device)
         if on_token and len(outputs[0]) > shown:
             on_token(outputs[0][shown:])
-    stats.update(total_s=time.perf_counter() - t0, decode_steps=rounds)
+        sizer()
+    stats.update(total_s=time.perf_counter() - t0, decode_steps=rounds, threads=sizer.threads)
     if drafter:
         counted = sum(accept_counts)
         tokens_in_full_rounds = sum((i + 1) * c for i, c in enumerate(accept_counts))
@@ -419,6 +544,10 @@ class TextStream:
             print(text[self.printed:], end="", flush=True)
             self.printed = len(text)
 
+    def finish(self):
+        """Print what is held back, as --json's text has it (a partial character decodes as U+FFFD), and a newline."""
+        print(self.tokenizer.decode(self.ids)[self.printed:], flush=True)
+
 
 def speculate_k_arg(value: str):
     if value == "auto":
@@ -445,7 +574,7 @@ def build_parser():
     p.add_argument("--batch_size", type=int, default=1, help="the prompt is repeated in each batch row")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (on CPU, a Llama-family "
-                   "model's steps of up to 16 rows are one few_rows.cpp call and need none)")
+                   "model's steps (up to 33 tokens a row) are one few_rows.cpp call and need none)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
@@ -464,12 +593,14 @@ def check_options(opts):
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(opts, name) < 1:
             raise InputError(f"--{name} must be at least 1")
-    if opts.temperature < 0:
-        raise InputError("--temperature must be >= 0 (0 = greedy)")
+    if not math.isfinite(opts.temperature) or opts.temperature < 0:
+        raise InputError(f"--temperature must be a finite number >= 0 (0 = greedy), not {opts.temperature}")
     if opts.top_k is not None and opts.top_k < 1:
         raise InputError("--top_k must be at least 1")
     if opts.top_p is not None and not 0 < opts.top_p <= 1:
         raise InputError("--top_p must be in (0, 1]")
+    if opts.speculate_k != "auto" and opts.speculate_k > MAX_SPECULATE_K:
+        raise InputError(f"--speculate_k {opts.speculate_k}: at most {MAX_SPECULATE_K} (or auto)")
     if opts.draft == "model" and not opts.draft_checkpoint:
         raise InputError("--draft model needs --draft_checkpoint PATH")
     if opts.draft == "ngram" and opts.draft_checkpoint:
@@ -537,8 +668,12 @@ def run(opts):
         stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json and rank0 else None
         if stream:
             print(tokenizer.decode(prompt), end="", flush=True)
-        rows, stats = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
-                               on_token=stream, **sampling, **speculation)
+        try:
+            rows, stats = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
+                                   on_token=stream, **sampling, **speculation)
+        finally:  # Ctrl-C included: the terminal gets the rest of the line
+            if stream:
+                stream.finish()
         decode_s = stats["total_s"] - stats["prefill_s"]
         longest = max(len(row) for row in rows)
         tokens_per_s = longest / stats["total_s"]
@@ -552,7 +687,7 @@ def run(opts):
                           text=tokenizer.decode([t for t in row if t not in tokenizer.eos_ids]),
                           tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
                           prefill_s=round(stats["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
-                          compile_s=round(compile_s, 2), batch_size=opts.batch_size, **spec)
+                          compile_s=round(compile_s, 2), batch_size=opts.batch_size, threads=stats["threads"], **spec)
             if not rank0:
                 continue
             if opts.json:
@@ -560,9 +695,11 @@ def run(opts):
             elif not stream:
                 print(f"--- sample {sample_idx} row {b}\n{tokenizer.decode(prompt)}{record['text']}")
         if rank0 and not opts.json:
-            print(f"\n[{longest} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
-                  f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {stats['prefill_s']:.3f} s]",
-                  file=sys.stderr)
+            shared = stats["threads"] is not None and stats["threads"] < torch.get_num_threads()
+            print(f"[{longest} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
+                  f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {stats['prefill_s']:.3f} s"
+                  + (f"; on {stats['threads']} of {torch.get_num_threads()} threads: other processes keep the other "
+                     "cores busy" if shared else "") + "]", file=sys.stderr)
             if spec:
                 print(f"[speculative: k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
                       f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
@@ -577,8 +714,15 @@ def main(argv=None):
         run(opts)
     except InputError as e:  # every rank meets the same bad input, so all of them get here
         error = f"error: {e}"
-    if error and tp.is_rank0():
-        print(error, file=sys.stderr)
+    except KeyboardInterrupt:
+        if tp.is_rank0():
+            print("interrupted", file=sys.stderr)
+        tp.finish(130, wait=False)
+        sys.exit(130)
+    if error:
+        if tp.is_rank0():
+            print(error, file=sys.stderr)
+        tp.report_error(error)
     tp.finish(1 if error else 0)  # under torchrun the process ends here
     if error:
         sys.exit(1)

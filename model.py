@@ -13,7 +13,8 @@ import json
 import math
 import mmap
 import sys
-from dataclasses import MISSING, dataclass, fields
+import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -25,8 +26,29 @@ class InputError(Exception):
     """Bad input from the user (file, field, flag): reported as one line, without a traceback."""
 
 
+def read_config(path) -> dict:
+    """config.json as a dict, or one InputError naming the file: missing, not JSON, or not a JSON object."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: not found; convert the model with scripts/convert_checkpoint.py")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}); re-run scripts/convert_checkpoint.py") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: not a JSON object but {type(config).__name__}; re-run "
+                         "scripts/convert_checkpoint.py")
+    return config
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class ModelArgs:
+    """The model's shape and math. config.json must name every field except the last three below, whose absence
+    means their neutral value (no rope scaling, the whole head rotates, no q/k/v bias)."""
     vocab_size: int
     dim: int
     n_layers: int
@@ -38,13 +60,31 @@ class ModelArgs:
     family: str = "llama"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048  # the model's context length
     rope_scaling: dict | None = None  # Llama-3 style: factor, low/high_freq_factor, original_max_position_embeddings
     rotary_dim: int | None = None  # None: the whole head dim rotates
     qkv_bias: bool = False
-    tie_embeddings: bool = False
-    max_seq_len: int = 2048  # the model's context length
+
+    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias")
+    LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
     def __post_init__(self):
+        def bad(name, want):
+            value = getattr(self, name)
+            return InputError(f"config.json: field '{name}' must be {want}, not {value!r}; fix the file or re-run "
+                              "scripts/convert_checkpoint.py")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "a positive integer")
+        if not is_number(self.norm_eps) or self.norm_eps < 0:
+            raise bad("norm_eps", "a finite number >= 0")
+        if not is_number(self.rope_theta) or self.rope_theta <= 0:
+            raise bad("rope_theta", "a finite number > 0")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
         if self.family not in ("llama", "codegen"):
             raise InputError(f"config.json: family '{self.family}' is not supported; use 'llama' or 'codegen'")
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
@@ -52,8 +92,19 @@ class ModelArgs:
                              "are inconsistent (dim % n_heads and n_heads % n_kv_heads must be 0)")
         if self.rotary_dim is None:
             self.rotary_dim = self.head_dim
-        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise InputError(f"config.json: rotary_dim {self.rotary_dim} must be even and <= head dim {self.head_dim}")
+        if (not isinstance(self.rotary_dim, int) or isinstance(self.rotary_dim, bool) or self.rotary_dim < 2
+                or self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise InputError(f"config.json: rotary_dim {self.rotary_dim!r} must be even and <= head dim "
+                             f"{self.head_dim}")
+        scaling = self.rope_scaling
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+            if not isinstance(scaling, dict) or kind not in (None, "default", "llama3"):
+                raise InputError(f"config.json: rope_scaling {scaling!r} is not supported (only 'llama3')")
+            if kind == "llama3" and not all(is_number(scaling.get(key)) and scaling[key] > 0
+                                            for key in self.LLAMA3_SCALING):
+                raise InputError(f"config.json: rope_scaling of type llama3 needs positive numbers "
+                                 f"{', '.join(self.LLAMA3_SCALING)}; got {scaling!r}")
 
     @property
     def head_dim(self) -> int:
@@ -62,15 +113,9 @@ class ModelArgs:
     @classmethod
     def from_config(cls, path) -> "ModelArgs":
         path = Path(path)
-        if not path.is_file():
-            raise InputError(f"{path}: not found; convert the model with scripts/convert_checkpoint.py")
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{path}: not valid JSON ({e}); re-run scripts/convert_checkpoint.py") from None
-        known = {f.name: f for f in fields(cls)}
-        required = [name for name, f in known.items() if f.default is MISSING]
-        missing = [name for name in required if name not in config]
+        config = read_config(path)
+        known = [f.name for f in fields(cls)]
+        missing = [name for name in known if name not in cls.OPTIONAL and name not in config]
         if missing:
             raise InputError(f"{path}: missing field '{missing[0]}'; re-run scripts/convert_checkpoint.py")
         try:
@@ -108,8 +153,6 @@ def rope_frequencies(args: ModelArgs, device) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv_freq = torch.where(is_medium, smoothed, scaled)
-    elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise InputError(f"config.json: rope_scaling type {scaling} is not supported (only 'llama3')")
     return inv_freq
 
 
@@ -127,22 +170,68 @@ def no_communication(x):
     return x
 
 
-# Decode (1 row), draft catch-up (2), verify (K + 1), and small batches of them.
-FEW_ROWS = 16
+# A step: decode (1 token a row), draft catch-up (2) or verify (K + 1). few_rows.cpp computes each row of a step by
+# itself, whatever the number of rows, so a verify's rows are bit for bit a decode step's and speculation stays
+# exact in bf16 (a verify of 17 rows once took PyTorch's GEMM, which rounds otherwise, and K = 16 changed the text).
+MAX_SPECULATE_K = 32
+STEP_TOKENS = MAX_SPECULATE_K + 1  # the most tokens a row has in a step
+FEW_ROWS = 16  # rows per few_rows.cpp call where a prompt's products are chunked (quantize.MXLinear)
+KERNELS_SOURCE = Path(__file__).with_name("few_rows.cpp")
 few_rows_kernels = None  # whether few_rows.cpp is built and loaded; None: not tried yet
 
 
+def cpu_features() -> str:
+    """What -march=native compiles for: this CPU's model and feature flags (Linux), else the machine name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        import platform
+        return platform.machine() + platform.processor()
+
+
+def kernels_build_name(source: str, march: str) -> str:
+    """The build's name, a hash of what made it (source, flags, torch, CPU features): a build from other sources
+    is never loaded, and two checkouts or versions of this project on one machine keep a build each instead of
+    rebuilding each other's under one name."""
+    import hashlib
+    made_of = "\0".join([source, march, torch.__version__, sys.version, cpu_features() if march == "native" else ""])
+    return "few_rows_" + hashlib.sha256(made_of.encode()).hexdigest()[:16]
+
+
+def load_kernels(march: str = "native"):
+    """Build few_rows.cpp for `march` (once per source: torch caches it under TORCH_EXTENSIONS_DIR, by default
+    ~/.cache/torch_extensions) and load its ops; the first build says so on stderr, with the time it took."""
+    import os
+    from torch.utils.cpp_extension import get_default_build_root, load
+    name = kernels_build_name(KERNELS_SOURCE.read_text(), march)
+    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    fresh = not (directory / f"{name}.so").is_file()
+    if fresh:
+        print(f"building few_rows.cpp for this CPU (-march={march}, once per source)...", end="", file=sys.stderr,
+              flush=True)
+    start = time.perf_counter()
+    try:
+        load(name=name, sources=[str(KERNELS_SOURCE)], build_directory=str(directory), is_python_module=False,
+             extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except BaseException:
+        if fresh:
+            print(" failed", file=sys.stderr)
+        raise
+    if fresh:
+        print(f" done in {time.perf_counter() - start:.0f} s, cached in {directory}", file=sys.stderr)
+
+
 def build_few_rows_kernels():
-    """Build few_rows.cpp for this CPU (torch caches the build under ~/.cache/torch_extensions), once per process.
+    """Load few_rows.cpp built for this CPU, once per process (load_kernels).
 
     Without a C++ compiler, products fall back to PyTorch's kernels: the same math, slower for a few rows."""
     global few_rows_kernels
     if few_rows_kernels is not None:
         return few_rows_kernels
     try:
-        from torch.utils.cpp_extension import load
-        load(name="few_rows", sources=[str(Path(__file__).with_name("few_rows.cpp"))], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        load_kernels()
     except Exception as error:  # no compiler, no ninja, unknown flags: run without, and say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
@@ -163,10 +252,15 @@ def build_few_rows_kernels():
     return True
 
 
+def step_rows(x) -> bool:
+    """Whether x [..., T, K] holds the rows of a step (T <= STEP_TOKENS), which few_rows.cpp computes one by one."""
+    return x.dim() >= 2 and x.shape[-2] <= STEP_TOKENS
+
+
 def few_rows(x, weight) -> bool:
-    """Whether x @ weight.T takes few_rows.cpp: at most FEW_ROWS rows, a contiguous bf16 / fp32 / int8 weight (or
+    """Whether x @ weight.T takes few_rows.cpp: a step's rows (step_rows), a contiguous bf16 / fp32 / int8 weight (or
     uint8 int4 nibbles) on CPU, once the file is built (fp16 and the ONNX export take PyTorch's kernels)."""
-    return (few_rows_kernels and weight.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
+    return (few_rows_kernels and weight.device.type == "cpu" and step_rows(x)
             and x.shape[-1] % 16 == 0 and weight.dtype in (torch.bfloat16, torch.float32, torch.int8, torch.uint8)
             and weight.is_contiguous() and not torch.onnx.is_in_onnx_export())
 
@@ -179,8 +273,8 @@ def few_rows_linear(x, weight, factors=None, table=None):
 
 
 def few_rows_attention(x, q, k) -> bool:
-    """Whether the attention of q [B, H, R, D] (from x, a few rows) over the cache k takes few_rows.cpp."""
-    return (few_rows_kernels and q.device.type == "cpu" and x.numel() <= FEW_ROWS * x.shape[-1]
+    """Whether the attention of q [B, H, R, D] (from x, a step's rows) over the cache k takes few_rows.cpp."""
+    return (few_rows_kernels and q.device.type == "cpu" and step_rows(x)
             and q.shape[-1] % 16 == 0 and q.dtype in (torch.bfloat16, torch.float32) and k.dtype == q.dtype
             and not torch.onnx.is_in_onnx_export())
 
@@ -199,7 +293,7 @@ CPU_GEMM_IN_FLOAT32 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def many_rows_linear(x, weight, bias=None):
-    """F.linear for many rows (a prompt, a batch over 16 rows), in x's dtype: on such a CPU, float32 rounded once."""
+    """F.linear for many rows (a prompt), in x's dtype: on such a CPU, float32 rounded once."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and CPU_GEMM_IN_FLOAT32
             and not torch.onnx.is_in_onnx_export()):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
@@ -521,7 +615,7 @@ class Transformer(nn.Module):
 
     def step_in_one_call(self, tokens) -> bool:
         """Whether forward(tokens, ...) without logits_idx runs as one few_rows.cpp call (step_in_one_call_operands)."""
-        return (self.one_call_operands is not None and tokens.numel() <= FEW_ROWS
+        return (self.one_call_operands is not None and tokens.shape[-1] <= STEP_TOKENS
                 and not torch.onnx.is_in_onnx_export())
 
     def forward(self, tokens, input_pos, logits_idx=None):

@@ -392,15 +392,24 @@ def main(argv=None):
     parser = OneLineErrors(description="Quantize a checkpoint's Linear weights (weight-only, offline).")
     parser.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its model.safetensors")
     parser.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
-    parser.add_argument("--groupsize", type=int, default=32, help=f"int4 group size, one of {INT4_GROUPSIZES}")
+    parser.add_argument("--groupsize", type=int, default=None, help=f"int4 group size, one of {INT4_GROUPSIZES} "
+                        "(default 32)")
     parser.add_argument("--mx_scale_rule", choices=("rceil", "floor"), default=None,
                         help="MX scale rule (default: the one measured better for the element format, see mx.py)")
     parser.add_argument("--output", help="output file (default: CKPT/model.MODE.safetensors)")
     args = parser.parse_args(argv)
     try:
-        path = quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize, args.mx_scale_rule, args.output)
+        if args.groupsize is not None and args.mode != "int4":
+            raise InputError(f"--groupsize applies to int4 only; drop it for --mode {args.mode}")
+        if args.mx_scale_rule is not None and args.mode not in MX_MODES:
+            raise InputError(f"--mx_scale_rule applies to the MX modes only; drop it for --mode {args.mode}")
+        path = quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize or 32, args.mx_scale_rule,
+                                   args.output)
     except InputError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        sys.exit(130)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

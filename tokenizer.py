@@ -3,17 +3,16 @@
 Special-token ids come from the checkpoint's config.json (bos_token_id, eos_token_id, add_bos_token), which
 the converter fills from the source model.
 """
-import json
 from pathlib import Path
 
-from model import InputError
+from model import InputError, read_config
 
 
 class Tokenizer:
     def __init__(self, checkpoint_dir):
         checkpoint_dir = Path(checkpoint_dir)
         config_path = checkpoint_dir / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_config(config_path) if config_path.is_file() else {}
         if (checkpoint_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
             path = checkpoint_dir / "tokenizer.json"
@@ -40,7 +39,11 @@ class Tokenizer:
         sp_default = lambda get: get() if self._sp is not None and get() >= 0 else None  # noqa: E731
         self.bos_id = config.get("bos_token_id", sp_default(lambda: self._sp.bos_id()))
         eos = config.get("eos_token_id", sp_default(lambda: self._sp.eos_id()))
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(i is None or isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in [self.bos_id, *eos]):
+            raise InputError(f"{config_path}: bos_token_id / eos_token_id must be token ids (integers >= 0, "
+                             f"eos_token_id also a list of them), not {self.bos_id!r} / {eos!r}")
+        self.eos_ids = set(eos)
         # tokenizer.json files carry their own BOS rule in the post-processor; SentencePiece models (Llama 2)
         # expect BOS unless the config says otherwise.
         self.add_bos = config.get("add_bos_token", self._sp is not None) and self.bos_id is not None

@@ -35,8 +35,10 @@ scales), duplicating KV heads is not a placement, and CodeGen's single all-reduc
 outside the reduced sum. So this file slices tensors itself and communicates with functional collectives,
 which torch.compile traces into the decode graph.
 """
+import json
 import os
 import sys
+import time
 from functools import partial
 
 import torch
@@ -65,8 +67,18 @@ def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def finish(exit_code: int = 0):
-    """End a torchrun process: wait for every rank, tear the group down, and exit without interpreter teardown.
+def report_error(message: str):
+    """Under torchrun, also leave the one-line error where torchrun's failure report reads it
+    (TORCHELASTIC_ERROR_FILE): its Root Cause then shows the line instead of a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
+def finish(exit_code: int = 0, wait: bool = True):
+    """End a torchrun process: wait for every rank and tear the group down (not with `wait` off: after Ctrl-C the
+    other ranks may be gone), and exit without interpreter teardown.
 
     Not under torchrun, return and let the caller go on. Skipping teardown avoids a gloo race (torch 2.13,
     pytorch/pytorch#179291): a worker thread may still hold a finished work object when the interpreter
@@ -75,8 +87,9 @@ def finish(exit_code: int = 0):
     """
     if not dist.is_initialized():
         return
-    dist.barrier()  # no rank tears its connections down while another still talks
-    dist.destroy_process_group()
+    if wait:
+        dist.barrier()  # no rank tears its connections down while another still talks
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

@@ -13,12 +13,17 @@ cache). Then the rows take turns: for each prompt and each of --runs runs, every
 hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
 token x tok/s as % of the memory bandwidth this script measures itself, the ratio of medians to the first row,
 and the range of the ratios turn by turn (how far the rows drift apart within the run).
+
+--contended runs every turn twice, on the idle machine and beside a busy process (a Python busy loop, started for
+the turn and stopped after it), and reports both speeds side by side: what a shared machine does to each row.
 """
 import argparse
+import contextlib
 import gzip
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +37,7 @@ from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
 from generate import (DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches,  # noqa: E402
                       resolve_checkpoint)
-from model import ModelArgs, Transformer  # noqa: E402
+from model import MAX_SPECULATE_K, InputError, ModelArgs, Transformer  # noqa: E402
 from speculative import ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -75,8 +80,12 @@ def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
 def quantized_path(checkpoint_path, mode):
     path = resolve_checkpoint(checkpoint_path)[0] / f"model.{mode}.safetensors"
     if not path.is_file():
-        sys.exit(f"error: {path} not found; run: python quantize.py --checkpoint_path {checkpoint_path} --mode {mode}")
+        raise InputError(f"{path} not found; run: python quantize.py --checkpoint_path {checkpoint_path} "
+                         f"--mode {mode}")
     return path
+
+
+DRAFTERS = ("self", "random", "ngram", *quantize.MODES)
 
 
 def spec_k(row, default):
@@ -86,6 +95,31 @@ def spec_k(row, default):
     return k if k == "auto" else int(k)
 
 
+def check_rows(rows, opts):
+    """Every --rows entry is known and its files exist before anything loads."""
+    for row in rows:
+        if row.startswith("quant-"):
+            if row[6:] not in quantize.MODES:
+                raise InputError(f"--rows {row}: unknown mode '{row[6:]}'; use quant-MODE with MODE one of "
+                                 f"{', '.join(quantize.MODES)}")
+            quantized_path(opts.checkpoint_path, row[6:])
+        elif row.startswith("spec-"):
+            drafter, *k = row[5:].split("-", 1)
+            if drafter not in DRAFTERS:
+                raise InputError(f"--rows {row}: unknown drafter '{drafter}'; use one of {', '.join(DRAFTERS)}")
+            k = k[0] if k else opts.speculate_k
+            if k != "auto" and not (k.isdigit() and 1 <= int(k) <= MAX_SPECULATE_K):
+                raise InputError(f"--rows {row}: K '{k}' must be auto or an integer, at least 1 and at most "
+                                 f"{MAX_SPECULATE_K}")
+            if drafter in quantize.MODES:
+                quantized_path(opts.checkpoint_path, drafter)
+        elif row == "llama.cpp" and not opts.gguf:
+            raise InputError("--rows llama.cpp needs --gguf PATH")
+        elif row not in ("compiled", "eager", "hf", "llama.cpp"):
+            raise InputError(f"--rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
+                             "spec-DRAFTER[-K]")
+
+
 def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
     if kind in quantize.MODES:  # a quantized copy of the target: lossless speculation without a second model
         return ModelDrafter(load_model(quantized_path(checkpoint_path, kind), "cpu", dtype), compile=compiled)
@@ -93,12 +127,11 @@ def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
         return NgramDrafter()
     if kind == "self":  # the target as its own draft: everything is accepted; measures the overhead
         return ModelDrafter(load_model(checkpoint_path, "cpu", dtype), compile=compiled)
-    if kind == "random":  # a random-weight draft of the same vocabulary: almost nothing is accepted
-        torch.manual_seed(0)
-        draft = Transformer(ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      intermediate_size=128, max_seq_len=8192)).to(dtype).eval()
-        return ModelDrafter(draft, compile=compiled)
-    sys.exit(f"error: unknown drafter '{kind}'; use self, random or ngram")
+    # random: a random-weight draft of the same vocabulary: almost nothing is accepted
+    torch.manual_seed(0)
+    draft = Transformer(ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  intermediate_size=128, max_seq_len=8192)).to(dtype).eval()
+    return ModelDrafter(draft, compile=compiled)
 
 
 def llama_cpp(gguf, texts, new_tokens):
@@ -139,6 +172,146 @@ def hf_generate(hf, prompts, new_tokens):
     return time.perf_counter() - t, run
 
 
+class BusyProcess:
+    """A Python busy loop in another process while the context lasts: another program keeping one core busy."""
+
+    def __enter__(self):
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.3)  # started and spinning
+        return self
+
+    def __exit__(self, *exc):
+        self.process.kill()
+        self.process.wait()
+
+
+def set_up(rows, opts, model, prompts, step_bytes):
+    """Per row: (name, bytes a step reads, warm-up seconds, run, whether compiled)."""
+    dtype = DTYPES[opts.dtype]
+    setups = []
+    for row in rows:
+        row_bytes, compiled = step_bytes, True
+        if row.startswith("quant-"):
+            quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype)
+            row_bytes = model_bytes_per_step(quantized)
+            warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
+        elif row == "llama.cpp":
+            texts = [task["prompt"] for task in humaneval_tasks(opts.num_prompts)]
+            warm, run = llama_cpp(opts.gguf, texts, opts.max_new_tokens)
+            row_bytes = Path(opts.gguf).stat().st_size
+        elif row in ("compiled", "eager"):
+            compiled = row == "compiled"
+            warm, run = ours(model, prompts, opts.max_new_tokens, compiled=compiled)
+        elif row == "hf":
+            warm, run = hf_generate(to_hf_model(model), prompts, opts.max_new_tokens)
+            compiled = False
+        else:  # spec-DRAFTER[-K]
+            compiled = not opts.eager_spec
+            drafter = make_drafter(row.split("-")[1], opts.checkpoint_path, dtype, model.args.vocab_size, compiled)
+            warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
+        name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
+        setups.append((name, row_bytes, warm, run, compiled))
+        print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
+    return setups
+
+
+def timed_turns(setups, n_prompts, runs, contended=False):
+    """For each prompt and run, every row once: per row, a list of (decode tok/s, tokens, stats). Contended: each
+    such turn runs on the idle machine, then again beside a busy process; returns (idle, busy)."""
+    loads = (False, True) if contended else (False,)
+    results = {busy: [[] for _ in setups] for busy in loads}
+    for i in range(n_prompts):
+        for _ in range(runs):
+            for busy in loads:  # idle and busy turns alternate, so a drifting machine reaches both alike
+                with BusyProcess() if busy else contextlib.nullcontext():
+                    turn = [setup[3](i) for setup in setups]
+                for j, result in enumerate(turn):
+                    results[busy][j].append(result)
+    return tuple(results[busy] for busy in loads)
+
+
+def same_tokens(results, j, runs):
+    return sum(a[1] == b[1] for a, b in zip(results[j][::runs], results[0][::runs]))
+
+
+def report(setups, results, bandwidth, runs):
+    rates = [[rate for rate, _, _ in row] for row in results]
+    first = statistics.median(rates[0])
+    # Each turn (a prompt and a run) times every row within seconds: its ratios show the drift the median hides.
+    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
+          f"{'compile s':>9} | same tokens |")
+    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
+    spec_lines = []
+    for j, (name, row_bytes, warm, _, compiled) in enumerate(setups):
+        rate = statistics.median(rates[j])
+        compile_s = f"{warm:.1f}" if compiled else "-"
+        turns = [a / b for a, b in zip(rates[j], rates[0])]
+        print(f"| {name:<24} | {rate:7.2f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
+              f"{rate / first:7.2f}x | {f'{min(turns):.2f}-{max(turns):.2f}x':>11} | {compile_s:>9} | "
+              f"{same_tokens(results, j, runs)}/{len(results[0]) // runs} |", flush=True)
+        stats = [s for _, _, s in results[j]]
+        if "alpha" in stats[0]:
+            alpha = statistics.mean(s["alpha"] for s in stats)
+            c = statistics.mean(s["draft_cost_ratio"] for s in stats)
+            k = statistics.mode(s["speculate_k"] for s in stats)
+            predicted = expected_speedup(alpha, c, k)
+            # v: one verify round in plain decode steps of the first row
+            verify_cost = statistics.mean(s["verify_s_per_round"] for s in stats) * first
+            spec_lines.append(f"| {name:<24} | {k:>2} | {alpha:.3f} | {c:.3f} | {verify_cost:5.2f} | "
+                              f"{rate / first:8.2f}x | {predicted:9.2f}x | {predicted / verify_cost:11.2f}x |")
+    if spec_lines:
+        print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / "
+              "((1 - a)(K c + 1)) with c = draft step / verify time; v = verify time / plain step time; "
+              "last column = predicted / v")
+        print(f"| {'row':<24} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
+        print(f"|{'-' * 26}|----|-------|-------|-------|----------|-----------|-------------|")
+        print("\n".join(spec_lines))
+
+
+def report_contended(setups, idle, busy, runs):
+    """Idle and busy speeds side by side; threads: how many our decode loop ended with beside the busy process."""
+    first_idle, first_busy = (statistics.median(r[0] for r in results[0]) for results in (idle, busy))
+    print(f"| {'row':<24} | {'idle tok/s':>10} | {'busy tok/s':>10} | {'busy / idle':>11} | {'threads busy':>12} | "
+          f"{'vs first idle':>13} | {'vs first busy':>13} | same tokens |")
+    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 13}|{'-' * 14}|{'-' * 15}|{'-' * 15}|-------------|")
+    for j, (name, *_) in enumerate(setups):
+        rate_idle, rate_busy = (statistics.median(r[0] for r in results[j]) for results in (idle, busy))
+        threads = [s["threads"] for _, _, s in busy[j] if s.get("threads")]
+        threads = f"{min(threads)}-{max(threads)}" if threads and min(threads) != max(threads) else \
+            str(threads[0]) if threads else "-"
+        same = min(same_tokens(idle, j, runs), same_tokens(busy, j, runs))
+        print(f"| {name:<24} | {rate_idle:10.2f} | {rate_busy:10.2f} | {100 * rate_busy / rate_idle:10.0f}% | "
+              f"{threads:>12} | {rate_idle / first_idle:12.2f}x | {rate_busy / first_busy:12.2f}x | "
+              f"{same}/{len(idle[0]) // runs} |", flush=True)
+
+
+def bench(opts):
+    rows = opts.rows.split(",")
+    check_rows(rows, opts)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
+    torch.manual_seed(0)
+    model = load_model(opts.checkpoint_path, "cpu", DTYPES[opts.dtype])
+    tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
+    prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
+    bandwidth = memory_bandwidth_gb_s()
+    step_bytes = model_bytes_per_step(model)
+    print(f"# {opts.checkpoint_path}, {opts.dtype}, {torch.get_num_threads()} threads, {len(prompts)} HumanEval "
+          f"prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
+          f"{opts.runs} runs each{', idle and beside a busy process' if opts.contended else ''}")
+    print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
+    ks = [spec_k(row, opts.speculate_k) for row in rows if row.startswith("spec-")]
+    if ks:  # the target's cache sized once for every row that shares it: a new size would recompile the others
+        presize_caches(model, True, 1, max(map(len, prompts)), opts.max_new_tokens,
+                       "auto" if "auto" in ks else max(ks))
+    setups = set_up(rows, opts, model, prompts, step_bytes)
+    results = timed_turns(setups, len(prompts), opts.runs, opts.contended)
+    if opts.contended:
+        report_contended(setups, *results, opts.runs)
+    else:
+        report(setups, *results, bandwidth, opts.runs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", required=True)
@@ -154,94 +327,16 @@ def main(argv=None):
     p.add_argument("--speculate_k", default="4")
     p.add_argument("--gguf", help="GGUF file for the optional llama.cpp row (needs llama-cpp-python)")
     p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")
+    p.add_argument("--contended", action="store_true",
+                   help="time every row idle and beside a busy process, and report both")
     opts = p.parse_args(argv)
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
-    torch.manual_seed(0)
-    dtype = DTYPES[opts.dtype]
-    model = load_model(opts.checkpoint_path, "cpu", dtype)
-    tokenizer = Tokenizer(Path(opts.checkpoint_path) if Path(opts.checkpoint_path).is_dir()
-                          else Path(opts.checkpoint_path).parent)
-    prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
-    bandwidth = memory_bandwidth_gb_s()
-    step_bytes = model_bytes_per_step(model)
-    print(f"# {opts.checkpoint_path}, {opts.dtype}, {torch.get_num_threads()} threads, {len(prompts)} HumanEval "
-          f"prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
-          f"{opts.runs} runs each")
-    print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
-    rows = opts.rows.split(",")
-    ks = [spec_k(row, opts.speculate_k) for row in rows if row.startswith("spec-")]
-    if ks:  # the target's cache sized once for every row that shares it: a new size would recompile the others
-        presize_caches(model, True, 1, max(map(len, prompts)), opts.max_new_tokens,
-                       "auto" if "auto" in ks else max(ks))
-    setups = []  # per row: name, bytes a step reads, warm-up seconds, run, whether compiled
-    for row in rows:
-        row_bytes, compiled = step_bytes, True
-        if row.startswith("quant-"):
-            quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype)
-            row_bytes = model_bytes_per_step(quantized)
-            warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
-        elif row == "llama.cpp":
-            if not opts.gguf:
-                sys.exit("error: the llama.cpp row needs --gguf PATH")
-            texts = [task["prompt"] for task in humaneval_tasks(opts.num_prompts)]
-            warm, run = llama_cpp(opts.gguf, texts, opts.max_new_tokens)
-            row_bytes = Path(opts.gguf).stat().st_size
-        elif row in ("compiled", "eager"):
-            compiled = row == "compiled"
-            warm, run = ours(model, prompts, opts.max_new_tokens, compiled=compiled)
-        elif row == "hf":
-            warm, run = hf_generate(to_hf_model(model), prompts, opts.max_new_tokens)
-            compiled = False
-        elif row.startswith("spec-"):
-            compiled = not opts.eager_spec
-            drafter = make_drafter(row.split("-")[1], opts.checkpoint_path, dtype, model.args.vocab_size, compiled)
-            warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
-        else:
-            sys.exit(f"error: --rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
-                     "spec-DRAFTER[-K]")
-        name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
-        setups.append((name, row_bytes, warm, run, compiled))
-        print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
-    rates = [[] for _ in setups]
-    outputs = [[None] * len(prompts) for _ in setups]
-    stats = [[] for _ in setups]
-    for i in range(len(prompts)):
-        for _ in range(opts.runs):
-            for j, (_, _, _, run, _) in enumerate(setups):
-                rate, outputs[j][i], row_stats = run(i)
-                rates[j].append(rate)
-                stats[j].append(row_stats)
-    first = statistics.median(rates[0])
-    # Each turn (a prompt and a run) times every row within seconds: its ratios show the drift the median hides.
-    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
-          f"{'compile s':>9} | same tokens |")
-    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
-    spec_lines = []
-    for j, (name, row_bytes, warm, _, compiled) in enumerate(setups):
-        rate = statistics.median(rates[j])
-        same = sum(a == b for a, b in zip(outputs[j], outputs[0]))
-        compile_s = f"{warm:.1f}" if compiled else "-"
-        turns = [a / b for a, b in zip(rates[j], rates[0])]
-        print(f"| {name:<24} | {rate:7.2f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
-              f"{rate / first:7.2f}x | {f'{min(turns):.2f}-{max(turns):.2f}x':>11} | {compile_s:>9} | "
-              f"{same}/{len(prompts)} |", flush=True)
-        if "alpha" in stats[j][0]:
-            alpha = statistics.mean(s["alpha"] for s in stats[j])
-            c = statistics.mean(s["draft_cost_ratio"] for s in stats[j])
-            k = statistics.mode(s["speculate_k"] for s in stats[j])
-            predicted = expected_speedup(alpha, c, k)
-            # v: one verify round in plain decode steps of the first row
-            verify_cost = statistics.mean(s["verify_s_per_round"] for s in stats[j]) * first
-            spec_lines.append(f"| {name:<24} | {k:>2} | {alpha:.3f} | {c:.3f} | {verify_cost:5.2f} | "
-                              f"{rate / first:8.2f}x | {predicted:9.2f}x | {predicted / verify_cost:11.2f}x |")
-    if spec_lines:
-        print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / "
-              "((1 - a)(K c + 1)) with c = draft step / verify time; v = verify time / plain step time; "
-              "last column = predicted / v")
-        print(f"| {'row':<24} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
-        print(f"|{'-' * 26}|----|-------|-------|-------|----------|-----------|-------------|")
-        print("\n".join(spec_lines))
+    try:
+        bench(opts)
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -405,6 +405,9 @@ def main(argv=None):
         out = convert(opts.source, opts.output_dir, dtype)
     except InputError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # every file is written under a temporary name, and config.json last
+        print("interrupted; no file was left half-written", file=sys.stderr)
+        sys.exit(130)
     print(f"wrote {out}")
 
 

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_hf_model, write_byte_tokenizer
+from test_generate import assert_interrupted, interrupted
 from convert_checkpoint import convert, main as convert_main
 
 
@@ -76,3 +77,14 @@ def test_gguf_conversion_of_real_smollm2(smollm2):
     assert config["n_layers"] == 30 and config["n_heads"] == 9 and config["n_kv_heads"] == 3
     assert config["tie_embeddings"] and config["eos_token_id"] == 2
     assert not list(ckpt.glob("*.tmp"))
+
+
+def test_ctrl_c_while_converting_leaves_no_checkpoint(smollm2, tmp_path):
+    """Ctrl-C while the GGUF is dequantized: one line, exit status 130, no config.json (the mark of a complete
+    checkpoint) and no temporary file."""
+    _, gguf = smollm2
+    out = tmp_path / "out"
+    status, _, err = interrupted(["--source", gguf, "--output_dir", out], "scripts/convert_checkpoint.py",
+                                 "dequantizing:")
+    assert_interrupted(status, err)
+    assert not out.exists() or not [p for p in out.iterdir() if p.name == "config.json" or p.suffix == ".tmp"]

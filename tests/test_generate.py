@@ -1,14 +1,19 @@
 """generate.py: real-weight greedy parity with transformers, compile-once decode, the CLI and its errors."""
 import json
+import signal
+import struct
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench import humaneval_tasks
 from conftest import ROOT
-from generate import Steps, generate, load_model, logits_to_probs
+from generate import Steps, TextStream, generate, load_model, logits_to_probs
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 
@@ -153,3 +158,148 @@ def test_a_compiled_step_refuses_a_second_model():
     step.model = weakref.ref(first)  # as after a first call, without compiling
     with pytest.raises(ValueError, match="serves another model"):
         step(second, torch.tensor([1]), torch.tensor([0]), 0.0, None, None)
+
+
+def broken_copy(ckpt: Path, directory: Path) -> Path:
+    directory.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    return directory
+
+
+def edited(config: dict, **changes) -> str:
+    """config.json text with these fields changed (a value of ... deletes the field)."""
+    return json.dumps({k: v for k, v in {**config, **changes}.items() if v is not ...})
+
+
+@pytest.mark.parametrize("case", ["not JSON", "empty", "a list", "null", "n_heads 0", "dim as text", "n_layers true",
+                                  "rope_theta deleted", "norm_eps NaN", "rope_scaling without factor"])
+def test_bad_config_json_gives_one_line_errors(tiny, tmp_path, case):
+    """Every config.json the loader or the tokenizer reads is checked: not JSON, not an object, a field of the wrong
+    type or out of range, a required field missing (rope_theta: a missing one once ran with a default and changed
+    the output). Each ends in one line naming the file and the field."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    broken = broken_copy(ckpt, tmp_path / "broken")
+    config = json.loads((ckpt / "config.json").read_text())
+    text, message = {
+        "not JSON": ("{", "not valid JSON"),
+        "empty": ("", "not valid JSON"),
+        "a list": ("[]", "not a JSON object"),
+        "null": ("null", "not a JSON object"),
+        "n_heads 0": (edited(config, n_heads=0), "'n_heads' must be a positive integer, not 0"),
+        "dim as text": (edited(config, dim="576"), "'dim' must be a positive integer, not '576'"),
+        "n_layers true": (edited(config, n_layers=True), "'n_layers' must be a positive integer, not True"),
+        "rope_theta deleted": (edited(config, rope_theta=...), "missing field 'rope_theta'"),
+        "norm_eps NaN": (edited(config, norm_eps=float("nan")), "'norm_eps' must be a finite number >= 0"),
+        "rope_scaling without factor": (edited(config, rope_scaling={"rope_type": "llama3"}), "rope_scaling"),
+    }[case]
+    (broken / "config.json").write_text(text)
+    assert_one_line_error(cli("--checkpoint_path", str(broken)), str(broken / "config.json"), message)
+
+
+def safetensors_bytes(header) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + bytes(64)
+
+
+@pytest.mark.parametrize("header,message", [
+    ({"tok_embeddings.weight": {"dtype": "F32", "shape": [2, 2]}}, "'tok_embeddings.weight' has no valid data_offsets"),
+    ({"tok_embeddings.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, "16"]}}, "data_offsets"),
+    ({"tok_embeddings.weight": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, "shape"),
+    ({"tok_embeddings.weight": "F32"}, "'tok_embeddings.weight' is not a tensor entry"),
+    ([], "header is not a JSON object"),
+    ({"__metadata__": [1]}, "__metadata__"),
+])
+def test_bad_safetensors_headers_give_one_line_errors(tiny, tmp_path, header, message):
+    ckpt, _ = tiny("llama_gqa_tied")
+    broken = broken_copy(ckpt, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(safetensors_bytes(header))
+    assert_one_line_error(cli("--checkpoint_path", str(broken)), str(broken / "model.safetensors"), message)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["--top_p", "nan"], "--top_p"),
+    (["--draft", "ngram", "--speculate_k", "33"], "--speculate_k 33: at most 32"),
+    (["--speculate_k", "1000"], "--speculate_k 1000: at most 32"),
+])
+def test_cli_rejects_numbers_out_of_range(tiny, flags, message):
+    ckpt, _ = tiny("llama_gqa_tied")
+    assert_one_line_error(cli("--checkpoint_path", str(ckpt), *flags), message)
+
+
+def test_the_stream_ends_with_the_json_text_and_a_newline(tiny, capsys):
+    """Output that stops inside a multi-byte character: the stream held the partial character back and, at the end,
+    prints what --json's text holds (the replacement character), then a newline."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    tokenizer = Tokenizer(ckpt)
+    ids = tokenizer.encode("aé")[:-1]  # byte-level: 'a' and the first byte of 'é'
+    stream = TextStream(tokenizer)
+    stream(ids[:1])
+    stream(ids[1:])
+    assert capsys.readouterr().out == "a"
+    stream.finish()
+    assert capsys.readouterr().out == tokenizer.decode(ids)[1:] + "\n"
+    result = cli("--checkpoint_path", str(ckpt), "--prompt", "hi", "--max_new_tokens", "4", "--dtype", "fp32")
+    assert result.returncode == 0 and result.stdout.endswith("\n"), result
+
+
+def interrupted(args, script, marker: str, stream="stderr"):
+    """Run a CLI, send it SIGINT (Ctrl-C) once `marker` appears on `stream`; returns (exit status, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    seen = {"stdout": bytearray(), "stderr": bytearray()}
+
+    def drain(name):
+        pipe = getattr(proc, name)
+        while chunk := pipe.read1(4096):
+            seen[name] += chunk
+
+    readers = [threading.Thread(target=drain, args=(name,), daemon=True) for name in seen]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 240
+    while marker.encode() not in seen[stream] and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, (marker, bytes(seen["stderr"])[-2000:])
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    for reader in readers:
+        reader.join(timeout=10)
+    return proc.returncode, seen["stdout"].decode(errors="replace"), seen["stderr"].decode(errors="replace")
+
+
+def assert_interrupted(status, err):
+    assert status == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted"), err[-3000:]
+
+
+def test_ctrl_c_ends_generate_with_one_line(smollm2):
+    ckpt, _ = smollm2
+    status, out, err = interrupted(["--checkpoint_path", ckpt, "--prompt", "def f(x):", "--max_new_tokens", "4000",
+                                    "--temperature", "0"], "generate.py", "def f(x):", stream="stdout")
+    assert_interrupted(status, err)
+    assert out.startswith("def f(x):") and out.endswith("\n")
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="reads the load of the other cores from /proc/stat")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads to give one up")
+def test_decoding_gives_a_core_to_a_busy_process(smollm2):
+    """Threads that wait for each other lose their turn to a busy process on a shared core (plain bf16 decode on
+    SmolLM2 fell from ~140 to ~41 tok/s here, one thread ran ~117): the loop runs one thread fewer while another
+    process keeps a core busy, all of them on an idle machine, and leaves the thread count as it found it."""
+    ckpt, _ = smollm2
+    model = load_model(ckpt, "cpu", torch.bfloat16)
+    prompt = Tokenizer(ckpt).encode("def f(x):")
+    most = torch.get_num_threads()
+    _, idle = generate(model, [prompt], 96, Steps())
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        _, loaded = generate(model, [prompt], 96, Steps())
+    finally:
+        busy.kill()
+        busy.wait()
+    assert idle["threads"] == most and loaded["threads"] == most - 1, (idle["threads"], loaded["threads"])
+    assert torch.get_num_threads() == most

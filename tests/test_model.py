@@ -151,13 +151,15 @@ def test_smollm2_bf16_steps_in_one_call_are_eager_pytorch_bit_for_bit(smollm2):
 
 def test_a_step_runs_in_one_call_only_where_it_can():
     """Llama-family few-row steps on CPU in bf16 or float32 run as one call, and a compiled step then compiles
-    nothing; a position past the cache is refused, not written; prompts (logits of chosen positions), more than
-    16 rows, CodeGen, fp16 and unstacked layers take model.py's forward."""
+    nothing, whatever the number of rows (a verify of K = 32 and batch rows included); a position past the cache
+    is refused, not written; prompts (logits of chosen positions), more than 33 tokens a row, CodeGen, fp16 and
+    unstacked layers take model.py's forward."""
     from generate import CompiledStep, decode_one_token
     from torch._dynamo.utils import counters
     model = stacked_model(torch.bfloat16)
     model.setup_caches(16, 64)
-    assert model.step_in_one_call(torch.zeros(1, 16)) and not model.step_in_one_call(torch.zeros(1, 17))
+    assert model.step_in_one_call(torch.zeros(1, 33)) and model.step_in_one_call(torch.zeros(40, 1))
+    assert not model.step_in_one_call(torch.zeros(1, 34))
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     step = CompiledStep(decode_one_token)
@@ -203,7 +205,7 @@ def few_rows_cases():
     e8m0 = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8)
     packed = {f: (mx.pack(fp6, 6), quantize.code_table(mx.FORMATS[f]), mx.dequantize(fp6, e8m0, mx.FORMATS[f]))
               for f in ("fp6_e2m3", "fp6_e3m2")}
-    x = torch.randn(16, k)
+    x = torch.randn(33, k)  # up to a verify of K = 32
     x[3, 32:64] = 0  # an all-zero block
     same = lambda x: x  # noqa: E731
     return x, {
@@ -263,8 +265,8 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
     """few_rows.cpp for each weight layout: within 1e-5 relative of a float64 product of the dequantized weight
     and the inputs it multiplies (float32 accumulation over K = 1536; int4: quantize.round_activations, so the
     rounding of the activations is checked too: one q off by one moves the result by ~4e-4 of its largest
-    output), and a row's result is bit-identical whether it is computed alone or among 2, 3, 5, 8 or 16 rows
-    (what keeps speculative verify equal to decode)."""
+    output), and a row's result is bit-identical whether it is computed alone or among 2, 3, 5, 8, 16, 17 or 33
+    rows (what keeps speculative verify equal to decode at any K)."""
     import model
     assert model.build_few_rows_kernels(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
     x, cases = few_rows_cases()
@@ -273,7 +275,7 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
         y = product(x)
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name
-        for rows in (1, 2, 3, 5, 8):
+        for rows in (1, 2, 3, 5, 8, 16, 17):
             assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
@@ -347,21 +349,34 @@ def test_few_rows_ops_declare_no_default_arguments():
 
 AVX2_BUILD = """
 import sys, torch
-from torch.utils.cpp_extension import load
 root, out = sys.argv[1:]
-load(name="few_rows_avx2", sources=[root + "/few_rows.cpp"], is_python_module=False,
-     extra_cflags=["-O3", "-march=haswell", "-fopenmp"], extra_ldflags=["-fopenmp"])
 sys.path[:0] = [root, root + "/tests"]
+import model
+model.load_kernels("haswell")
 from test_model import few_rows_outputs
 torch.save(few_rows_outputs(), out)
 """
+
+
+def test_kernel_builds_are_keyed_by_their_source():
+    """A build is named by a hash of what made it (source, flags, torch, this CPU's features): two checkouts or
+    versions never load or rebuild each other's."""
+    import model
+    source = model.KERNELS_SOURCE.read_text()
+    name = model.kernels_build_name(source, "native")
+    assert name.startswith("few_rows_") and name == model.kernels_build_name(source, "native")
+    assert name != model.kernels_build_name(source + "\n// an edit", "native")
+    assert name != model.kernels_build_name(source, "haswell")
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="needs an x86 CPU with AVX2")
 def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, its own tile shapes) gives the same bits
-    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too."""
+    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too.
+    Built in an empty cache, it says so in one line with the time it took; loaded again, it says nothing."""
+    import os
+    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -369,7 +384,14 @@ def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     assert model.build_few_rows_kernels()
     out = tmp_path / "avx2.pt"
     root = str(Path(__file__).resolve().parent.parent)
-    subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], check=True)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    first = subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], capture_output=True, text=True,
+                           env=env, check=True)
+    assert re.fullmatch(r"building few_rows.cpp for this CPU \(-march=haswell, once per source\)\.\.\. "
+                        r"done in \d+ s, cached in .*\n", first.stderr), first.stderr
+    again = subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], capture_output=True, text=True,
+                           env=env, check=True)
+    assert again.stderr == ""
     avx2, native = torch.load(out), few_rows_outputs()
     for case, y in native.items():
         assert torch.equal(avx2[case], y), case
@@ -429,7 +451,7 @@ def test_fp16_few_row_steps_take_pytorch_kernels(tiny):
 
 
 def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
-    """A prompt's products (more than 16 rows) in bf16 on a CPU without native bf16: PyTorch's bf16 GEMM runs
+    """A prompt's products (more than 33 tokens a row) in bf16 on a CPU without native bf16: PyTorch's bf16 GEMM runs
     ~6x slower there than float32 (a SmolLM2 prefill took 1.4 s), so they are float32 products rounded once to
     bf16, bit for bit; elsewhere, PyTorch's bf16 GEMM."""
     import torch.nn.functional as F
@@ -443,3 +465,20 @@ def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
         expected = F.linear(x, layer.weight, layer.bias)
     with torch.no_grad():
         assert torch.equal(layer(x), expected)
+
+
+def test_a_step_gives_the_same_bits_on_any_number_of_threads(smollm2):
+    """Decoding may drop a thread while another process keeps a core busy (generate.ThreadSizer): every output of a
+    few-row step is summed by one thread, so 1 and 2 threads give the same logits, bit for bit."""
+    ckpt, _ = smollm2
+    model = load_model(ckpt, "cpu", torch.bfloat16)
+    model.setup_caches(1, 256)
+    most = torch.get_num_threads()
+    with torch.no_grad():
+        model(torch.arange(100, 140)[None], torch.arange(40)[None], torch.tensor([[39]]))
+        results = []
+        for threads in (1, max(most, 2)):
+            torch.set_num_threads(threads)
+            results.append(model(torch.tensor([[7, 8, 9, 10, 11]]), torch.arange(40, 45)[None]))
+    torch.set_num_threads(most)
+    assert torch.equal(*results)

@@ -13,7 +13,7 @@ from bench import humaneval_tasks
 from conftest import ROOT
 from generate import Steps, generate, load_model, map_safetensors
 from speculative import ModelDrafter
-from test_generate import cli
+from test_generate import assert_interrupted, cli, interrupted
 from tokenizer import Tokenizer
 
 # Linear bits per weight on disk (codes + scales), from the acceptance list
@@ -202,7 +202,8 @@ def test_cli_loads_a_quantized_file_and_drafts_with_one(quantized):
 def test_bad_mode_groupsize_and_shapes(smollm2, tmp_path):
     ckpt, _ = smollm2
     for flags, message in ((["--mode", "int3"], "unsupported --mode 'int3'"),
-                           (["--mode", "int4", "--groupsize", "48"], "--groupsize 48 is not supported")):
+                           (["--mode", "int4", "--groupsize", "48"], "--groupsize 48 is not supported"),
+                           (["--mode", "mxfp6", "--groupsize", "64"], "--groupsize applies to int4 only")):
         result = cli("--checkpoint_path", str(ckpt), *flags, script="quantize.py")
         lines = result.stderr.strip().splitlines()
         assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
@@ -210,3 +211,13 @@ def test_bad_mode_groupsize_and_shapes(smollm2, tmp_path):
         quantize.quantized_linear("mxfp6", nn.Linear(48, 16), name="layers.0.wq")
     with pytest.raises(quantize.InputError, match="out_features of 16"):
         quantize.quantized_linear("int4", nn.Linear(64, 24), name="output")
+
+
+def test_ctrl_c_while_quantizing_writes_nothing(smollm2, tmp_path):
+    """Ctrl-C in the middle of quantizing: one line, exit status 130, and neither the output nor a temporary file."""
+    ckpt, _ = smollm2
+    output = tmp_path / "model.mxfp6.safetensors"
+    status, _, err = interrupted(["--checkpoint_path", ckpt, "--mode", "mxfp6", "--output", output], "quantize.py",
+                                 "quantize mxfp6:")
+    assert_interrupted(status, err)
+    assert list(tmp_path.iterdir()) == []

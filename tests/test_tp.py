@@ -130,6 +130,9 @@ def test_bad_world_sizes_give_one_line_errors(smollm2, tiny):
     assert result.returncode != 0
     assert errors == ["error: config.json n_heads 9 does not split over 2 ranks; launch with --nproc_per_node one "
                       "of 1, 3, 9"]
+    # torchrun's own failure report follows it; its root cause names the same line, not "To enable traceback"
+    root_cause = result.stderr[result.stderr.index("Root Cause"):]
+    assert "traceback : error: config.json n_heads 9 does not split over 2 ranks" in root_cause, root_cause
     # MX blocks are never split: CodeGen's 12 heads of 16 over 4 ranks give wo 48 input features per rank
     codegen, _ = tiny("codegen_tp")
     model = load_model(weight_files(codegen)["mxfp6"], "cpu", torch.float32)

@@ -4,100 +4,43 @@
 """
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import json
 import math
-import mmap
 import os
-import struct
 import sys
 import time
-import types
-import warnings
-import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from model import (MAX_SPECULATE_K, InputError, ModelArgs, Transformer, argmax, build_few_rows_kernels, HugePages,
-                   move_to_huge_pages)
+import cpu
+import quantize
+import tp
+from checkpoint import InputError, OneLineErrors, map_safetensors, resolve_checkpoint
+from model import ModelArgs, Transformer
+from sampling import sample
+from speculative import MAX_SPECULATE_K, AdaptiveK, ModelDrafter, NgramDrafter, speculative_decode, verify
 from tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+BACKENDS = ("auto", "torch")
 CACHE_ROUNDING = 256  # cache lengths are rounded up so that nearby requests reuse one cache (and one graph)
 
 
 # ---------------------------------------------------------------- loading
 
-def resolve_checkpoint(path) -> tuple[Path, Path]:
-    """A checkpoint directory or a .safetensors file inside one -> (directory, weights file)."""
-    path = Path(path)
-    if path.is_dir():
-        weights = path / "model.safetensors"
-    else:
-        weights, path = path, path.parent
-        if weights.exists() and weights.suffix != ".safetensors":
-            raise InputError(f"{weights}: expected a checkpoint directory or a .safetensors file")
-    if not weights.is_file():
-        raise InputError(f"{weights}: not found; convert a model first with scripts/convert_checkpoint.py")
-    return path, weights
-
-
-def map_safetensors(path: Path) -> tuple[dict, dict]:
-    """Map a safetensors file read-only: tensors are views of the page cache, never a second copy. Every header
-    entry is checked (a JSON object of dtype, shape and data_offsets inside the file) before it is used."""
-    try:
-        with open(path, "rb") as f:
-            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        (header_len,) = struct.unpack("<Q", buffer[:8])
-        if header_len > len(buffer) - 8:
-            raise ValueError("header length exceeds the file size")
-        header = json.loads(buffer[8:8 + header_len])
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: corrupt or truncated safetensors file ({e}); re-create it") from None
-    if not isinstance(header, dict):
-        raise InputError(f"{path}: the header is not a JSON object; the file is corrupt, re-create it")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise InputError(f"{path}: __metadata__ is not an object of strings; the file is corrupt, re-create it")
-    tensors, base = {}, 8 + header_len
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise InputError(f"{path}: '{name}' is not a tensor entry; the file is corrupt, re-create it")
-        offsets, shape = info.get("data_offsets"), info.get("shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise InputError(f"{path}: tensor '{name}' has no valid data_offsets; the file is corrupt, re-create it")
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-            raise InputError(f"{path}: tensor '{name}' has no valid shape; the file is corrupt, re-create it")
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise InputError(f"{path}: tensor '{name}' has unsupported dtype {info.get('dtype')!r}")
-        start, end = offsets
-        count = end - start
-        if base + end > len(buffer) or count != torch.Size(shape).numel() * dtype.itemsize:
-            raise InputError(f"{path}: tensor '{name}' lies outside the file or has the wrong size; the file "
-                             "is truncated or corrupt, re-create it")
-        with warnings.catch_warnings():  # the map is read-only; weights are never written in place
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=base + start) if count else \
-                torch.empty(0, dtype=torch.uint8)
-        tensors[name] = flat.view(dtype).view(shape)
-    return tensors, metadata
-
-
-def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=None) -> Transformer:
+def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=None, backend="auto") -> Transformer:
     """Build on the meta device, then assign the mapped tensors: the weights are never held twice.
     A file written by quantize.py carries its mode in the metadata and gets quantized modules.
-    With a process group (torchrun), tp.py slices the mapped tensors first, so each rank copies only its shard."""
-    import quantize
+    With a process group (torchrun), tp.py slices the mapped tensors first, so each rank copies only its shard.
+    backend "auto": on CPU the CPU backend serves the model where it proves to compute what model.py does (cpu/);
+    "torch": model.py alone."""
+    if backend not in BACKENDS:
+        raise InputError(f"--backend {backend}: unknown; use {' or '.join(BACKENDS)}")
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
     args = ModelArgs.from_config(ckpt_dir / "config.json")
     tensors, metadata = map_safetensors(weights_path)
@@ -105,8 +48,6 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     if mode:
         if mode not in quantize.MODES:
             raise InputError(f"{weights_path}: unknown quantization '{mode}' in the metadata; re-run quantize.py")
-        if mode == "int4" and torch.device(device).type != "cpu":
-            raise InputError(f"{weights_path}: int4 uses aten's CPU kernel; run with --device cpu or use int8/MX")
         args = dataclasses.replace(args, tie_embeddings=False)  # quantize.py stores its own LM head
     with torch.device("meta"):
         model = Transformer(args)
@@ -127,96 +68,29 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=False)
     model.tie_weights()
     if tp_group is not None:
-        import tp
         tp.apply_tp(model, tp_group)
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
-    # The kernels' runtime layouts, built from the mapped file layer by layer: what fusing a layer frees is then
-    # reused by the next layer's layouts instead of staying behind as heap holes (+21 MiB int4, +25 mxfp6). On CPU
-    # each layer's streamed weights then move to huge pages, and the file pages they came from leave the process.
-    fuse = model.tok_embeddings.weight.device.type == "cpu" and build_few_rows_kernels()
-    parts = [(f"layers.{i}.", layer) for i, layer in enumerate(model.layers)] + [("output.", model.output)]
-    pages = HugePages()
-    for prefix, part in parts:
-        for module in part.modules():
-            if isinstance(module, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
-                module.prepare()
-        if fuse and part is not model.output:
-            part.fuse_products()
-        if fuse:
-            move_to_huge_pages(part.products() if part is not model.output else [part], pages)
-            names = [n for n in tensors if n.startswith(prefix)] + (["tok_embeddings.weight"] if prefix == "output."
-                                                                       and args.tie_embeddings else [])
-            release_file_pages(tensors[n] for n in names)
-    if fuse and args.tie_embeddings:  # the head's copy serves the embedding too
-        model.tok_embeddings.weight = model.output.weight
+    if backend == "auto" and torch.device(device).type == "cpu":
+        cpu.apply(model, tensors)
     return model.eval()
 
 
-def release_file_pages(mapped):
-    """Drop the pages of these tensors of a mapped file from the process (madvise MADV_DONTNEED, Linux): the page
-    cache keeps them, and a later read maps the same bytes again, so it is safe for a tensor still in use. Loading
-    calls it on each layer once its weights are copied: without it an int8 model's loading peak counted its weights
-    twice (298.6 MB against 191.3, measured with a huge-page region per layer)."""
-    if sys.platform != "linux":
-        return
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    page = mmap.PAGESIZE
-    for t in mapped:
-        start = -(-t.data_ptr() // page) * page  # whole pages inside the tensor: never a neighbour's
-        stop = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-        if t.numel() and stop > start:
-            madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)
-
-
 def model_bytes_per_step(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every parameter and quantized weight buffer, except an untied
-    embedding table (one row)."""
-    import quantize
+    """Bytes of weights one decode step reads: every parameter and quantized weight buffer, or where a backend
+    serves a product, the operands it streams instead; an untied embedding table counts one row."""
     tensors = {id(p): p for p in model.parameters()}
     for module in model.modules():
         tensors.update({id(b): b for name, b in module.named_buffers(recurse=False)
                         if name in ("weight", "scales", "scales_and_zeros")})
-        if isinstance(module, quantize.MXLinear) and module.table is not None:  # read as the file packs them
-            continue
-        if isinstance(module, (quantize.MXLinear, quantize.Int4Linear)):  # what a step reads: the runtime copy
-            tensors.pop(id(module.weight))
-            runtime = ((module.values, module.block_factors) if isinstance(module, quantize.MXLinear) else
-                       (module.nibbles, module.group_factors) if module.nibbles is not None else (module.packed,))
-            tensors.update({id(t): t for t in runtime})
-            if isinstance(module, quantize.MXLinear):
-                tensors.pop(id(module.scales))
-            elif module.nibbles is not None:
-                tensors.pop(id(module.scales_and_zeros))
+    for module in model.modules():
+        if hasattr(module, "operands"):  # served by a backend: what it reads instead of the file's layout
+            for name in ("weight", "scales", "scales_and_zeros"):
+                tensors.pop(id(getattr(module, name, None)), None)
+            tensors.update({id(t): t for t in module.operands()[:2] if t is not None})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if not model.args.tie_embeddings:
         total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
     return total
-
-
-# ---------------------------------------------------------------- sampling
-
-def logits_to_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
-    """The distribution tokens are sampled from: temperature, then top-k, then top-p (nucleus)."""
-    logits = logits.float() / max(temperature, 1e-5)
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits.softmax(-1)
-
-
-def sample(logits, temperature: float = 0.0, top_k=None, top_p=None):
-    """[..., V] logits -> [...] token ids. Greedy at temperature 0; no host synchronization either way."""
-    if temperature == 0:
-        return argmax(logits)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race); needs no host sync.
-    return argmax(probs / torch.empty_like(probs).exponential_(1))
 
 
 # ---------------------------------------------------------------- the steps
@@ -231,70 +105,39 @@ def decode_one_token(model, token, input_pos, temperature, top_k, top_p):
     return sample(logits[:, -1], temperature, top_k, top_p)
 
 
-# Dynamo checks ~5,000 guards on the model's modules before every call of a compiled step (module types, hook
-# dicts, each parameter's shape): measured on SmolLM2 int8, a decode step of 11.4 ms spends 1.4 ms there. A step
-# keeps only the guards that can fail while one loaded model serves requests: those on its arguments and global
-# state, and the KV caches and RoPE tables, which setup_caches reallocates for a longer or wider request.
-STATE_BUFFERS = ("k_cache", "v_cache", "rope_cos", "rope_sin")
+class Step:
+    """A step function (decode, verify), compiled or not: torch.compile(fullgraph=True) with Inductor's public
+    options, CUDA graphs on GPU ("reduce-overhead"), and without its size and alignment asserts, which re-checked
+    every weight's and kernel output's shape on each call (519 asserts in a SmolLM2 decode step, 1.1 ms of 17.3;
+    weights cannot change under a loaded model). Every 16-bit rounding of the eager program is kept inside fused
+    kernels (emulate_precision_casts): otherwise a verify graph and a decode graph fuse differently, round
+    differently, and a bf16 speculative run drifts from plain decoding (measured on SmolLM2 bf16: no cost).
+    A model whose backend made each step one kernel call says so (eager_steps: the CPU backend's one-call step)
+    and runs it as it is: compiled around that call, an int8 SmolLM2 decode step took 6.18 ms against 5.90
+    (Dynamo's entry and guards) after 4.6 s of compiling. (On CPU, Inductor's C++ wrapper, calling a compiled
+    step's kernels from C++: bf16 0.92-0.94x the time, mxfp6 1.13x, cold compiles ~2x as long, and no tp.py
+    collectives; not used.)"""
 
-
-def keep_state_guards(entries):
-    return [not e.orig_guard.source.is_unspecialized_nn_module()
-            or (e.guard_type == "TENSOR_MATCH" and e.name.endswith(tuple(f"['{b}']" for b in STATE_BUFFERS)))
-            for e in entries]
-
-
-class CompiledStep:
-    """torch.compile of fn(model, ...) for one model. Sound without the module guards because no other model
-    can reach its graphs: it compiles a private copy of fn's code (Dynamo keeps graphs per code object, and two
-    compiles of one function would share them) and refuses to be called with a second model. A step whose
-    forward is one few_rows.cpp call (model.Transformer.step_in_one_call: a Llama-family model's few-row steps
-    on CPU) runs as it is: compiled around that call, an int8 SmolLM2 decode step took 6.18 ms against 5.90 (Dynamo's
-    entry, guards and ~400 inputs gathered) after 4.6 s of compiling."""
-
-    def __init__(self, fn, device="cpu"):
-        private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                     fn.__closure__)
-        # CUDA graphs remove the launch overhead of a step on GPU ("reduce-overhead"). On CPU, Inductor's C++ wrapper
-        # would call a step's ~300 kernels and products from C++ instead of Python. Measured on SmolLM2 (Zen 4, one
-        # process, steps compiled both ways, alternating blocks of 10): bf16 0.92-0.94x the time, int8 0.91-0.94x,
-        # but mxfp6 1.13x, for cold compiles ~2x as long (the test suite 9:41 -> 18:22), and it cannot call tp.py's
-        # collectives; not used. (It runs since few_rows::product lost its default arguments: see few_rows.cpp.)
-        # Inductor's size asserts re-check every weight's shape and every kernel output's on each call: 519
-        # asserts in a SmolLM2 decode step, 1.1 ms of 17.3 (int8, side by side). Weights cannot change under a
-        # loaded model, and the guards kept above check what can.
-        options = {"guard_filter_fn": keep_state_guards, "triton.cudagraphs": str(device).startswith("cuda"),
-                   "size_asserts": False, "alignment_asserts": False}
-        self.compiled = torch.compile(private, fullgraph=True, options=options)
-        self.fn = fn
-        self.model = None
+    def __init__(self, fn, compile=False, device="cpu"):
+        self.fn, self.compiled = fn, None
+        if compile:
+            options = {"triton.cudagraphs": str(device).startswith("cuda"), "size_asserts": False,
+                       "alignment_asserts": False, "emulate_precision_casts": True}
+            self.compiled = torch.compile(fn, fullgraph=True, options=options)
 
     def __call__(self, model, *args):
-        if self.model is None:
-            self.model = weakref.ref(model)
-        elif self.model() is not model:
-            raise ValueError(f"this compiled {self.compiled.__name__} step serves another model; make one per model")
-        if model.step_in_one_call(args[0]):  # args[0]: the step's tokens
+        if self.compiled is None or getattr(model, "eager_steps", False):
             return self.fn(model, *args)
         return self.compiled(model, *args)
 
 
 class Steps:
-    """The prefill and decode functions, compiled or not. Compiled once per process and reused."""
+    """The prefill, decode and verify functions, compiled or not. Compiled once per process and reused; a second
+    speculate_k makes the verify one graph for any K."""
 
     def __init__(self, compile=False, compile_prefill=False, device="cpu"):
-        from speculative import verify
-        self.prefill, self.decode, self.verify = prefill, decode_one_token, verify
-        if compile:
-            # Keep every 16-bit rounding the eager program has, even inside fused kernels: otherwise a verify
-            # graph and a decode graph fuse differently, round differently, and a bf16 speculative run drifts
-            # from plain decoding. Measured on SmolLM2 bf16: no cost (decode 20.0 vs 20.7 ms, verify(5) 33.9 vs 32.8).
-            torch._inductor.config.emulate_precision_casts = True
-            self.decode = CompiledStep(decode_one_token, device)
-            self.verify = CompiledStep(verify, device)  # a second speculate_k makes it one graph for any K
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)  # auto: K 1..8
-        if compile_prefill:
-            self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+        self.decode, self.verify = Step(decode_one_token, compile, device), Step(verify, compile, device)
+        self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True) if compile_prefill else prefill
 
 
 def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extra: int = 0) -> int:
@@ -308,7 +151,6 @@ def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extr
 
 def spare_positions(drafter, speculate_k) -> int:
     """Cache slots a speculative run may write past a row's last token (verify writes K+1 ahead)."""
-    from speculative import AdaptiveK
     return 2 * ((AdaptiveK.k_max if speculate_k == "auto" else speculate_k) + 1) if drafter else 0
 
 
@@ -394,14 +236,15 @@ class ThreadSizer:
 
 
 def steps_in_one_call(model, drafter) -> bool:
-    """Whether every step of this loop, the target's and a draft model's, is one few_rows.cpp call: the steps whose
-    results ThreadSizer cannot change (compiled steps would recompile for a new thread count, and Inductor's
-    reductions may split another way)."""
+    """Whether every step of this loop, the target's and a draft model's, is one kernel call (eager_steps: the CPU
+    backend's one-call step, which sums each output on one thread): the steps whose results ThreadSizer cannot
+    change (compiled steps would recompile for a new thread count, and Inductor's reductions may split another
+    way)."""
     models = [model] + ([drafter.model] if hasattr(drafter, "model") else [])
-    return all(m.one_call_operands is not None for m in models)
+    return all(getattr(m, "eager_steps", False) for m in models)
 
 
-class NoSizer:  # steps that are not one few_rows.cpp call run on the threads they were given
+class NoSizer:  # steps that are not one kernel call run on the threads they were given
     threads = None
 
     def __call__(self):
@@ -431,11 +274,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     overwritten as the row decodes. A row stops at its first EOS (kept in its output) or at max_new_tokens; the
     batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
     With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
-    "auto": chosen online by speculative.AdaptiveK). Where its steps are few_rows.cpp calls, the loop's threads
-    follow the cores other processes leave free (ThreadSizer); stats["threads"] is how many it ended with.
+    "auto": chosen online by speculative.AdaptiveK). Where its steps are single kernel calls (steps_in_one_call),
+    the loop's threads follow the cores other processes leave free (ThreadSizer); stats["threads"] is how many it
+    ended with.
     """
-    import tp
-    from speculative import AdaptiveK, speculative_decode
     adaptive = AdaptiveK() if speculate_k == "auto" else None
     device = model.output.weight.device
     B = len(prompts)
@@ -557,11 +399,6 @@ def speculate_k_arg(value: str):
     return int(value)
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    def error(self, message):
-        sys.exit(f"error: {message} (see --help)")
-
-
 def build_parser():
     p = OneLineErrors(description="Generate text from a converted checkpoint.")
     p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
@@ -573,11 +410,13 @@ def build_parser():
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--batch_size", type=int, default=1, help="the prompt is repeated in each batch row")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (on CPU, a Llama-family "
-                   "model's steps (up to 33 tokens a row) are one few_rows.cpp call and need none)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode and verify steps (with the CPU "
+                   "backend a Llama-family model's steps are one few_rows.cpp call and need none)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
+    p.add_argument("--backend", default="auto", help="auto (default): on CPU the few_rows.cpp kernels serve the "
+                   "model where they prove to compute what model.py computes; torch: model.py's PyTorch alone")
     p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming")
     p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
     p.add_argument("--draft", choices=["model", "ngram"], default=None,
@@ -590,6 +429,8 @@ def build_parser():
 def check_options(opts):
     if opts.dtype not in DTYPES:
         raise InputError(f"--dtype {opts.dtype}: unknown; use bf16, fp32 or fp16")
+    if opts.backend not in BACKENDS:
+        raise InputError(f"--backend {opts.backend}: unknown; use {' or '.join(BACKENDS)}")
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(opts, name) < 1:
             raise InputError(f"--{name} must be at least 1")
@@ -613,7 +454,6 @@ def check_options(opts):
 
 def make_drafter(opts, tokenizer, dtype, target_args, device):
     """The drafter named by the flags, or None. A draft model must share the target's tokenizer."""
-    from speculative import ModelDrafter, NgramDrafter
     kind = opts.draft or ("model" if opts.draft_checkpoint else None)
     if kind == "ngram":
         return NgramDrafter()
@@ -624,7 +464,7 @@ def make_drafter(opts, tokenizer, dtype, target_args, device):
     if not tokenizer.same_vocabulary(draft_tokenizer):
         raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
                          f"({tokenizer.path}); speculation needs the same vocabulary")
-    draft = load_model(opts.draft_checkpoint, device, dtype)  # replicated under tensor parallelism: see tp.py
+    draft = load_model(opts.draft_checkpoint, device, dtype, backend=opts.backend)  # replicated under TP: tp.py
     if draft.args.vocab_size != target_args.vocab_size:
         raise InputError(f"{draft_dir / 'config.json'}: vocab_size {draft.args.vocab_size} differs from the "
                          f"target's {target_args.vocab_size}; speculation needs the same vocabulary")
@@ -632,7 +472,6 @@ def make_drafter(opts, tokenizer, dtype, target_args, device):
 
 
 def run(opts):
-    import tp
     check_options(opts)
     torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
@@ -640,7 +479,7 @@ def run(opts):
     group, device = tp.init_from_env(opts.device)
     rank0 = tp.is_rank0()  # only rank 0 prints
     t = time.perf_counter()
-    model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group)
+    model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group, backend=opts.backend)
     load_s = time.perf_counter() - t
     prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
     prompts = [prompt] * opts.batch_size
@@ -707,7 +546,6 @@ def run(opts):
 
 
 def main(argv=None):
-    import tp
     opts = build_parser().parse_args(argv)
     error = None
     try:

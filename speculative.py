@@ -9,8 +9,11 @@ import time
 
 import torch
 
-from generate import CompiledStep, logits_to_probs
-from model import argmax
+from sampling import argmax, logits_to_probs
+
+# The most drafts a round verifies (--speculate_k): a verify of K + 1 tokens a row is still a step that the CPU
+# backend computes row by row (cpu.kernels.STEP_TOKENS), as a decode would.
+MAX_SPECULATE_K = 32
 
 
 def accept(draft, q, p, u, noise):
@@ -58,15 +61,16 @@ class ModelDrafter:
     round after that starts with a 2-token step over [the token before `last`, last] for every row: it writes
     the missing entry, and rewrites an identical one in the other rows. So no row needs special handling and
     the draft has two static shapes (2 and 1 tokens); rounds with no catching up pay for one token, not two.
-    Each shape has its own compiled step: one step compiled for both turns dynamic in the token count, and its
-    1-token steps ran 14-18% slower than a decode step (SmolLM2 bf16, in a self-draft round; 1.00x compiled apart).
+    Each shape has its own static compiled graph: one graph dynamic in the token count ran its 1-token steps
+    14-18% slower than a decode step (SmolLM2 bf16, in a self-draft round; 1.00x compiled apart).
     """
 
     def __init__(self, model, compile=False):
         self.model = model
-        device = model.tok_embeddings.weight.device
-        self.step = CompiledStep(self._step, device) if compile else self._step
-        self.catch_up_step = CompiledStep(self._step, device) if compile else self._step
+        self.step = self._step
+        if compile and not getattr(model, "eager_steps", False):  # eager_steps: see generate.Step
+            # a static graph for each of the two shapes, 1 and 2 tokens a row
+            self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
 
     @staticmethod
     def _step(model, tokens, input_pos, temperature, top_k, top_p):
@@ -86,9 +90,8 @@ class ModelDrafter:
         catch_up = self.cached_until is not None and bool((pos > self.cached_until).any())
         n = 2 if catch_up else 1
         first = torch.tensor([h[-n:] for h in histories], device=device)
-        step = self.catch_up_step if catch_up else self.step
-        token, q = step(self.model, first, pos[:, None] + torch.arange(1 - n, 1, device=device), temperature, top_k,
-                        top_p)
+        positions = pos[:, None] + torch.arange(1 - n, 1, device=device)
+        token, q = self.step(self.model, first, positions, temperature, top_k, top_p)
         tokens, qs = [token], [q]
         for i in range(1, k):
             token, q = self.step(self.model, token[:, None].clone(), (pos + i)[:, None], temperature, top_k, top_p)

@@ -5,7 +5,7 @@ the converter fills from the source model.
 """
 from pathlib import Path
 
-from model import InputError, read_config
+from checkpoint import InputError, read_config
 
 
 class Tokenizer:

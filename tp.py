@@ -47,7 +47,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import InputError, Transformer, no_communication
+from checkpoint import InputError
+from model import Transformer, no_communication
 
 
 def init_from_env(device: str):

@@ -2,9 +2,9 @@
 
     python scripts/bench.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --dtype bf16
 
-Rows: this project's compiled decode (on CPU a Llama-family model's step is one few_rows.cpp call, which needs
-no compiling: its "compile s" is the warm-up alone), its eager decode, and `transformers`' generate on the same
-weights;
+Rows: this project's compiled decode (with the CPU backend a Llama-family model's step is one few_rows.cpp call,
+which needs no compiling: its "compile s" is the warm-up alone), its eager decode, and `transformers`' generate on
+the same weights;
 quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
 is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file).
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
-from generate import (DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches,  # noqa: E402
-                      resolve_checkpoint)
-from model import MAX_SPECULATE_K, InputError, ModelArgs, Transformer  # noqa: E402
-from speculative import ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
+from checkpoint import InputError, resolve_checkpoint  # noqa: E402
+from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from speculative import MAX_SPECULATE_K, ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 
@@ -120,13 +120,14 @@ def check_rows(rows, opts):
                              "spec-DRAFTER[-K]")
 
 
-def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled):
+def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled, backend):
     if kind in quantize.MODES:  # a quantized copy of the target: lossless speculation without a second model
-        return ModelDrafter(load_model(quantized_path(checkpoint_path, kind), "cpu", dtype), compile=compiled)
+        return ModelDrafter(load_model(quantized_path(checkpoint_path, kind), "cpu", dtype, backend=backend),
+                            compile=compiled)
     if kind == "ngram":
         return NgramDrafter()
     if kind == "self":  # the target as its own draft: everything is accepted; measures the overhead
-        return ModelDrafter(load_model(checkpoint_path, "cpu", dtype), compile=compiled)
+        return ModelDrafter(load_model(checkpoint_path, "cpu", dtype, backend=backend), compile=compiled)
     # random: a random-weight draft of the same vocabulary: almost nothing is accepted
     torch.manual_seed(0)
     draft = Transformer(ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -192,7 +193,7 @@ def set_up(rows, opts, model, prompts, step_bytes):
     for row in rows:
         row_bytes, compiled = step_bytes, True
         if row.startswith("quant-"):
-            quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype)
+            quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype, backend=opts.backend)
             row_bytes = model_bytes_per_step(quantized)
             warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
         elif row == "llama.cpp":
@@ -207,7 +208,8 @@ def set_up(rows, opts, model, prompts, step_bytes):
             compiled = False
         else:  # spec-DRAFTER[-K]
             compiled = not opts.eager_spec
-            drafter = make_drafter(row.split("-")[1], opts.checkpoint_path, dtype, model.args.vocab_size, compiled)
+            drafter = make_drafter(row.split("-")[1], opts.checkpoint_path, dtype, model.args.vocab_size, compiled,
+                                   opts.backend)
             warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
         name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
         setups.append((name, row_bytes, warm, run, compiled))
@@ -291,7 +293,7 @@ def bench(opts):
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
     torch.manual_seed(0)
-    model = load_model(opts.checkpoint_path, "cpu", DTYPES[opts.dtype])
+    model = load_model(opts.checkpoint_path, "cpu", DTYPES[opts.dtype], backend=opts.backend)
     tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
     prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
     bandwidth = memory_bandwidth_gb_s()
@@ -327,6 +329,8 @@ def main(argv=None):
     p.add_argument("--speculate_k", default="4")
     p.add_argument("--gguf", help="GGUF file for the optional llama.cpp row (needs llama-cpp-python)")
     p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch"),
+                   help="auto: the CPU backend where it serves (as generate.py); torch: model.py alone")
     p.add_argument("--contended", action="store_true",
                    help="time every row idle and beside a busy process, and report both")
     opts = p.parse_args(argv)

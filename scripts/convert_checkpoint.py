@@ -8,7 +8,6 @@ so a directory with a config.json is always complete.
 """
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import InputError, ModelArgs  # noqa: E402
+from checkpoint import InputError, write_atomically  # noqa: E402
+from model import ModelArgs  # noqa: E402
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 # Our name for each per-layer Hugging Face tensor of the Llama family.
@@ -348,18 +348,6 @@ def convert_gguf(source: Path):
 
 # ---------------------------------------------------------------- writing
 
-def atomic_write(path: Path, write):
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # some writers create 0600 files
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, tokenizers, dtype=None):
     from safetensors.torch import save_file
     ModelArgs(**args)  # validate before writing anything
@@ -367,14 +355,14 @@ def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, 
     config_path = output_dir / "config.json"
     config_path.unlink(missing_ok=True)  # a directory without config.json reads as incomplete until we finish
     tensors = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous() for k, v in weights.items()}
-    atomic_write(output_dir / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    write_atomically(output_dir / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     for tok in tokenizers:
         if isinstance(tok, Path):
-            atomic_write(output_dir / tok.name, lambda p: shutil.copyfile(tok, p))
+            write_atomically(output_dir / tok.name, lambda p: shutil.copyfile(tok, p))
         else:
-            atomic_write(output_dir / "tokenizer.json", lambda p: tok.save(str(p)))
+            write_atomically(output_dir / "tokenizer.json", lambda p: tok.save(str(p)))
     config = dict(args, **{k: v for k, v in special.items() if v is not None})
-    atomic_write(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    write_atomically(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
 
 
 def convert(source, output_dir, dtype=None):

@@ -19,8 +19,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import humaneval_tasks  # noqa: E402
-from generate import DTYPES, OneLineErrors, load_model, resolve_checkpoint  # noqa: E402
-from model import InputError  # noqa: E402
+from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
+from generate import DTYPES, load_model  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 
@@ -46,7 +46,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         ckpt_dir, weights = resolve_checkpoint(args.checkpoint_path)
-        model = load_model(args.checkpoint_path, "cpu", DTYPES[args.dtype]).float()
+        # the dtype's weights, float32 arithmetic on model.py alone (the backend serves a model in its own dtype)
+        model = load_model(args.checkpoint_path, "cpu", DTYPES[args.dtype], backend="torch").float()
         tokenizer = Tokenizer(ckpt_dir)
     except InputError as e:
         sys.exit(f"error: {e}")

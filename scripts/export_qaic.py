@@ -31,8 +31,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import quantize  # noqa: E402
-from generate import OneLineErrors, load_model, resolve_checkpoint  # noqa: E402
-from model import InputError, Transformer  # noqa: E402
+from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
+from generate import load_model  # noqa: E402
+from model import Transformer  # noqa: E402
 
 FP16_MAX = float(np.finfo(np.float16).max)
 OPSET = 17
@@ -95,7 +96,7 @@ def check_options(opts):
 
 
 def load_float_model(checkpoint_path, ctx_len: int) -> Transformer:
-    model = load_model(checkpoint_path, "cpu", torch.float32)
+    model = load_model(checkpoint_path, "cpu", torch.float32, backend="torch")  # the graph is model.py
     if any(isinstance(m, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)) for m in model.modules()):
         _, weights = resolve_checkpoint(checkpoint_path)
         raise InputError(f"{weights}: a quantize.py checkpoint; export the float model.safetensors (--mxfp6 "

@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from generate import OneLineErrors  # noqa: E402
-from model import InputError  # noqa: E402
+from checkpoint import InputError, OneLineErrors  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 

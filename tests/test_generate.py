@@ -14,8 +14,9 @@ import torch
 
 from bench import humaneval_tasks
 from conftest import ROOT
-from generate import Steps, TextStream, generate, load_model, logits_to_probs
+from generate import Steps, TextStream, generate, load_model
 from model import ModelArgs, Transformer
+from sampling import argmax, logits_to_probs
 from tokenizer import Tokenizer
 
 
@@ -72,6 +73,24 @@ def test_compiled_decode_compiles_once_across_prompt_lengths():
     # A new batch size is a new static shape: one more graph, and the ragged rows still equal their runs alone.
     rows, _ = generate(model, prompts[:2], 12, steps)
     assert rows == eager[:2] and counters["stats"]["unique_graphs"] == frames + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax(dtype):
+    """sampling.argmax (greedy decode, verify, the exponential race) gives torch.argmax's index: the first of tied
+    maxima (logits rounded to integers make many ties), the first NaN wherever the maximum is, and index 0 for a
+    row of -inf."""
+    torch.manual_seed(0)
+    for shape in [(5, 49152), (1, 49152), (3, 7), (2, 3, 45)]:
+        cases = [torch.randn(shape), (torch.randn(shape) * 2).round(), torch.full(shape, float("-inf"))]
+        for nan_at in (0, shape[-1] // 2, shape[-1] - 1):
+            x = (torch.randn(shape) * 2).round()
+            x[..., nan_at] = float("nan")
+            x[..., -1 - nan_at] = float("nan")
+            cases.append(x)
+        for x in cases:
+            x = x.to(dtype)
+            assert torch.equal(argmax(x), x.argmax(-1)), shape
 
 
 def test_top_k_top_p_keep_the_right_tokens():
@@ -150,17 +169,6 @@ def test_cli_bad_input_gives_one_line_errors(tiny, tmp_path):
     assert_one_line_error(cli("--checkpoint_path", str(broken)), "no tokenizer.json")
 
 
-def test_a_compiled_step_refuses_a_second_model():
-    """CompiledStep drops dynamo's module guards, which is sound only while one model reaches its graphs."""
-    import weakref
-    from generate import CompiledStep, decode_one_token
-    first, second = tiny_model(), tiny_model()
-    step = CompiledStep(decode_one_token)
-    step.model = weakref.ref(first)  # as after a first call, without compiling
-    with pytest.raises(ValueError, match="serves another model"):
-        step(second, torch.tensor([1]), torch.tensor([0]), 0.0, None, None)
-
-
 def broken_copy(ckpt: Path, directory: Path) -> Path:
     directory.mkdir(exist_ok=True)
     for f in ckpt.iterdir():
@@ -224,7 +232,8 @@ def test_bad_safetensors_headers_give_one_line_errors(tiny, tmp_path, header, me
     (["--top_p", "nan"], "--top_p"),
     (["--draft", "ngram", "--speculate_k", "33"], "--speculate_k 33: at most 32"),
     (["--speculate_k", "1000"], "--speculate_k 1000: at most 32"),
-])
+    (["--backend", "cuda"], "--backend cuda: unknown; use auto or torch"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: not available")]))
 def test_cli_rejects_numbers_out_of_range(tiny, flags, message):
     ckpt, _ = tiny("llama_gqa_tied")
     assert_one_line_error(cli("--checkpoint_path", str(ckpt), *flags), message)

@@ -22,7 +22,8 @@ import export_qaic
 import run_onnx
 from bench import humaneval_tasks
 from generate import Steps, generate, load_model
-from model import InputError, ModelArgs, Transformer
+from checkpoint import InputError
+from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from bench import humaneval_tasks
-from generate import Steps, generate, load_model, logits_to_probs
+from generate import Steps, generate, load_model
 from model import ModelArgs, Transformer
+from sampling import logits_to_probs
 from speculative import ModelDrafter, NgramDrafter, accept, verify
 from test_generate import cli
 from tokenizer import Tokenizer

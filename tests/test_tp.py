@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 import quantize
 import tp
 from bench import humaneval_tasks
-from generate import load_model, map_safetensors
-from model import InputError, ModelArgs, Transformer
+from checkpoint import InputError, map_safetensors
+from generate import load_model
+from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 from tp_worker import run_cases
 

@@ -2,9 +2,8 @@
 // (1 to 33 tokens a row, any number of rows), with w stored as bf16, fp32 or int8 (times per-channel or per-block
 // factors), as int4 nibbles (times a per-group scale plus offset, against activations rounded to 8 bits: see
 // round_rows) or as packed MX 6-bit codes (a table of their values, times an E8M0 scale per block of 32: see
-// Fp6Table); those rows' attention over the KV cache; the argmax of their logits; and a whole step of a
-// Llama-family model, every layer and the LM head, in one call (llama_step). Built at first use by model.py, which
-// also has it keep Python's freed frame chunks (keep_frame_chunks, at the end).
+// Fp6Table); those rows' attention over the KV cache; and a whole step of a Llama-family model, every layer and the
+// LM head, in one call (llama_step). Built at first use by the CPU backend (cpu/kernels.py).
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
@@ -12,8 +11,6 @@
 // (bf16: a pair of elements a lane at a time, see Bf16Pairs), then halves in a fixed tree. GCC/Clang vector
 // extensions, compiled with -march=native; the int8/bf16 -> float conversions, the bf16 pairs and the int4
 // integer dot products use AVX-512 (BF16, VNNI) or AVX2 intrinsics where present, plain loops elsewhere.
-#include <Python.h>  // first, as Python asks
-
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -256,7 +253,7 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 // (bf16), 17.4 -> 14.6 (int8); 2 rows side by side, bf16 pairs on Zen 4: 1.3x slower at 2 and 5 rows.
 // Two sums per row, of the even and the odd 16 weights of each 32, added at the end: one chain of FMAs waited on
 // itself (4 cycles a link, 16 int8 weights each: ~4 bytes a cycle a core), which weights in huge pages
-// (model.move_to_huge_pages) outrun. SmolLM2's int8 products in huge pages, Zen 4, 2 threads, same process, nine
+// (cpu.modules.move_to_huge_pages) outrun. SmolLM2's int8 products in huge pages, Zen 4, 2 threads, same process, nine
 // alternating runs: at 1 / 2 / 5 rows 4.47 / 5.25 / 9.23 -> 4.25 / 4.92 / 9.07 ms. (With the weights in 4 KiB pages,
 // memory was the limit, and a second sum no faster on Zen 4 or Zen 3.) Prefetching once per 64 bytes instead of
 // per 16, or not at all, was slower (1 row 5.1 / 6.2 ms, 2 rows 5.1 / 9.4).
@@ -394,7 +391,7 @@ int64_t block_shift(int64_t K, int64_t blocks, const char* what) {
 // or two instructions per 32 multiplies where converting the codes to float took one per 8 (SmolLM2's 211
 // products: 8.6 vs 11.3 ms at one row, Zen 3).
 // Each input row is rounded per block b of 32 along k to q * d_b, d_b = max|x| / 127, q = round(x / d_b)
-// (quantize.round_activations, the same formula for the rows few_rows.cpp does not take). With the weights
+// (quantize.round_activations, the same formula for quantize.py's reference forward). With the weights
 // w = code * scale + offset per group g: y = sum_b scale_g d_b dot_b + sum_g offset_g sum_(b in g) d_b sum(q_b).
 struct RoundedRows {
   std::vector<int8_t> q;          // [M, K]
@@ -424,7 +421,7 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
   return r;
 }
 
-// Int4Linear's runtime layout (quantize.int4_runtime): each 64 codes of a row in 32 bytes, byte j holding code j
+// Int4Linear's runtime layout (cpu.modules.int4_layout): each 64 codes of a row in 32 bytes, byte j holding code j
 // in its low nibble and code 32 + j in its high one, so one mask and one shift of a 32-byte load give two blocks
 // of 32 codes in order; where K ends in a lone block, its 16 bytes hold code j low and code 16 + j high. Code i
 // of a row, for the plain code below:
@@ -649,7 +646,7 @@ at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at
 // a float factor per 32 read per weight, not 6.25), SmolLM2's 121 mxfp6 products (Zen 4, 2 threads, same process)
 // took 4.37 instead of 4.95-5.01 ms at 1 row (bf16: 7.35-7.40), 5.9 instead of 5.6 at 2 rows, 10.2 instead of 9.9
 // at 5. With AVX512_VBMI and AVX512_BF16 (a byte permute and a bit-field select unpack 64 codes, a 64-word permute
-// looks them up); elsewhere plain code with the same sums, slow: there quantize.MXLinear expands the codes at load
+// looks them up); elsewhere plain code with the same sums, slow: there cpu.modules.MXLinear expands the codes at load
 // instead (packed_fp6_is_fast). (A mask and a branch per step for the odd last block cost 8% at 1 row.)
 #if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
 constexpr bool kFastFp6 = true;
@@ -1024,70 +1021,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
 }
 
-// The index of each row's largest value over the last dimension, as torch.argmax: the first one, NaN counting as
-// the largest. Inductor's reduction took ~1 ms for a verify's 5 x 49152 logits (0.2 for a decode's one row),
-// 4% of a step; one pass keeping each lane's largest value and its first index takes 40 / 15 us.
-template <class T>
-int64_t argmax_row(const T* x, int64_t n) {
-  typedef int32_t native_index __attribute__((vector_size(4 * W)));
-  const int64_t whole = n / L * L;
-  float top = -INFINITY;
-  int64_t first = 0;
-  bool nan = false;
-  if (whole) {
-    // Per lane: the largest value and where it first occurs; a lane's first NaN stays.
-    f32x16 best = to_float(x);
-    native_index at[L / W], index[L / W];
-    for (int h = 0; h < L / W; h++)
-      for (int j = 0; j < W; j++) at[h][j] = index[h][j] = h * W + j;
-    for (int64_t i = L; i < whole; i += L) {
-      const f32x16 v = to_float(x + i);
-      for (int h = 0; h < L / W; h++) {
-        index[h] += L;
-        const native_index take = v.part[h] > best.part[h] || (v.part[h] != v.part[h] && best.part[h] == best.part[h]);
-        best.part[h] = take ? v.part[h] : best.part[h];
-        at[h] = take ? index[h] : at[h];
-      }
-    }
-    first = n;
-    for (int h = 0; h < L / W; h++)
-      for (int j = 0; j < W; j++) {
-        const float value = best.part[h][j];
-        const bool wins = std::isnan(value) ? !nan || at[h][j] < first
-                                            : !nan && (value > top || (value == top && at[h][j] < first));
-        if (wins) top = value, first = at[h][j], nan |= std::isnan(value);
-      }
-  }
-  for (int64_t i = whole; i < n && !nan; i++) {
-    const float value = float(x[i]);
-    if (value > top || std::isnan(value) || i == 0) top = value, first = i, nan = std::isnan(value);
-  }
-  return first;
-}
-
-template <class T>
-at::Tensor argmax_rows(const at::Tensor& x) {
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  at::Tensor y = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
-  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  int64_t* yp = y.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; row++) yp[row] = argmax_row(xp + row * n, n);
-  });
-  return y;
-}
-
-at::Tensor argmax(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous(), "few_rows: argmax takes a contiguous tensor");
-  switch (x.scalar_type()) {
-    case at::kBFloat16: return argmax_rows<c10::BFloat16>(x);
-    case at::kFloat: return argmax_rows<float>(x);
-    default: TORCH_CHECK(false, "few_rows: argmax dtype must be bfloat16 or float32, not ", x.scalar_type());
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
-// A whole few-row step of a Llama-family model in one call (model.Transformer.step_in_one_call): the embedding
+// A whole few-row step of a Llama-family model in one call (cpu.modules.OneCallStep): the embedding
 // rows, then per layer RMSNorm, q/k/v, rotary, the cache write, attention, the output product and the residual,
 // RMSNorm, gate/up, SiLU(gate) times up, down and the residual; then the final RMSNorm and the LM head. The same
 // operations as model.py's forward, rounded to the model's dtype where its eager PyTorch rounds them, and every
@@ -1188,7 +1123,7 @@ __attribute__((optimize("fp-contract=off"))) void rotate(const float* in, const 
   for (int64_t j = 2 * half; j < D; j++) out[j] = T(in[j]);
 }
 
-// What llama_step takes besides tokens and positions (model.Transformer.step_in_one_call_operands): per layer 2
+// What llama_step takes besides tokens and positions (cpu.modules.OneCallStep.operands): per layer 2
 // norms and 4 products (q/k/v stacked, wo, gate/up stacked, w2) with their factors, tables and biases, then the
 // final norm and the LM head.
 struct StepOperands {
@@ -1342,67 +1277,13 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
   }
 }
 
-// Python 3.11+ keeps each thread's frames in 16 KB chunks from its arena allocator (mmap) and unmaps a chunk as
-// soon as the frame at its base returns. When a compiled step's generated `call` frame ends near a chunk's end,
-// every op it calls through a Python frame (each product, each attention) maps a chunk and unmaps it again, and
-// each unmap interrupts the other core with a TLB shootdown. Which steps hit this depends on the call depth:
-// measured on SmolLM2 bf16 (Zen 4 VM, 2 threads), a speculative round's steps made ~600 mmap/munmap pairs, and a
-// generate() of 128 tokens ran 70 instead of 86 tok/s after an unrelated change moved it one frame deeper. Freed
-// small blocks (frame chunks; obmalloc's 1 MiB arenas pass through) are kept, 8 at most, and handed out again.
-PyObjectArenaAllocator system_arenas;
-struct KeptBlock {
-  void* block;
-  size_t size;
-};
-KeptBlock kept_blocks[8];
-int n_kept = 0;
-std::mutex kept_mutex;
-
-void* arena_alloc(void*, size_t size) {
-  {
-    std::lock_guard<std::mutex> lock(kept_mutex);
-    for (int i = 0; i < n_kept; i++)
-      if (kept_blocks[i].size == size) {
-        void* block = kept_blocks[i].block;
-        kept_blocks[i] = kept_blocks[--n_kept];
-        return block;
-      }
-  }
-  return system_arenas.alloc(system_arenas.ctx, size);
-}
-
-void arena_free(void*, void* block, size_t size) {
-  {
-    std::lock_guard<std::mutex> lock(kept_mutex);
-    if (size <= (64 << 10) && n_kept < 8) {
-      kept_blocks[n_kept++] = {block, size};
-      return;
-    }
-  }
-  system_arenas.free(system_arenas.ctx, block, size);
-}
-
-bool keep_frame_chunks() {
-  static const bool installed = [] {
-    PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject_GetArenaAllocator(&system_arenas);
-    PyObjectArenaAllocator keeping{nullptr, arena_alloc, arena_free};
-    PyObject_SetArenaAllocator(&keeping);
-    PyGILState_Release(gil);
-    return true;
-  }();
-  return installed;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(few_rows, m) {
-  m.def("keep_frame_chunks() -> bool", [] { return keep_frame_chunks(); });
   // No defaults: Inductor's C++ wrapper leaves out trailing arguments that equal their defaults, and the dispatcher
   // call it makes then reads past the ones it was given (torch 2.13: a segfault in the first step).
   m.def("product(Tensor x, Tensor weight, Tensor? factors, Tensor? table) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
-  m.def("argmax(Tensor x) -> Tensor");
   m.def("llama_step(Tensor tokens, Tensor positions, Tensor embeddings, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor?[] factors, Tensor?[] tables, Tensor?[] biases, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps) -> Tensor");
@@ -1412,6 +1293,5 @@ TORCH_LIBRARY(few_rows, m) {
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("product", &linear);
   m.impl("attention", &attention);
-  m.impl("argmax", &argmax);
   m.impl("llama_step", &llama_step);
 }

@@ -1,0 +1,218 @@
+"""The CPU backend: few_rows.cpp's kernels serve a model.py model's decode, draft and verify steps, where they
+prove to compute what model.py computes.
+
+    apply(model)  # generate.load_model does this on CPU with --backend auto (the default), after the model's
+                  # final dtype and device (a later .to() would leave the backend's copies behind)
+
+It checks that every module it would replace or run is exactly a type it implements and that the config holds no
+field it does not know. Then a canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three
+ways: by model.py in PyTorch before the backend serves; by model.py's forward around the backend's products and
+attention; and by the backend's step (a Llama-family step is one C++ call that re-implements model.py's forward
+around them). The last two must give the same logits and cache entries bit for bit in bf16, where the one-call step
+rounds as eager PyTorch does (within ONE_CALL_FP32 in float32, TOLERANCE where products round their inputs): that is
+where a fork's change to model.py's math shows. The backend against PyTorch must agree within TOLERANCE: its products
+and attention sum in another order than PyTorch's kernels (as any other BLAS would). On a mismatch it puts the model
+back as it was, says so in one line, and the model runs on model.py's PyTorch path.
+"""
+import dataclasses
+import sys
+
+import torch
+import torch.nn as nn
+
+import model
+import quantize
+import tp
+from checkpoint import release_file_pages
+from cpu import kernels
+from cpu.modules import PRODUCTS, Attention, HugePages, OneCallStep, Stack, move_to_huge_pages
+
+# The config fields whose meaning the backend implements: the one-call step reads norm_eps; the rest shape what
+# model.py computes around the products and attention (rotary tables, biases, the family's wiring).
+KNOWN_FIELDS = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "family", "norm_eps",
+                "rope_theta", "tie_embeddings", "max_seq_len", "rope_scaling", "rotary_dim", "qkv_bias"}
+# The modules it runs as model.py has them (exact types: a subclass may compute something else).
+KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.KVCache, nn.LayerNorm, nn.Embedding,
+        nn.ModuleList, tp.VocabShardEmbedding)
+RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")
+# The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS. Measured on
+# SmolLM2's canary (Zen 5): bf16 0.8-1.5% (every weight format), float32 ~1e-6, int4 and packed mxfp6 in float32
+# 1.2% and 0.5% (their inputs rounded to 8 bits or to bf16: a difference far below a rounding step moves an input
+# across it, and 30 layers carry it on).
+TOLERANCE = 0.05
+# The canary's tokens: the first ones, whose embedding rows share a few pages (a random one each mapped up to a
+# 2 MiB folio of the file: 37 MB for 24 tokens).
+TOKENS = 64
+ONE_CALL_FP32 = 1e-5  # the one-call step against model.py's forward, float32: largest |difference| / largest |logit|
+
+
+def warn(message):
+    print(f"warning: CPU backend: {message}; the model runs on model.py's PyTorch path", file=sys.stderr)
+
+
+def unsupported(transformer) -> str | None:
+    """Why the backend cannot vouch for this model, or None."""
+    extra = [f.name for f in dataclasses.fields(transformer.args) if f.name not in KNOWN_FIELDS]
+    if extra:
+        return f"config field '{extra[0]}' is not one it implements"
+    for name, module in transformer.named_modules():
+        if type(module) not in KEPT + tuple(PRODUCTS) + (model.Attention,):
+            return f"module {name or 'model'} is a {type(module).__name__}, not a type it implements"
+    return None
+
+
+def served(module) -> bool:
+    """Whether few_rows.cpp multiplies by this product's weight: on CPU; bf16 or float32 (not fp16) where it is not
+    quantized, with in_features a multiple of 16."""
+    weight = module.weight
+    if type(module) in (model.Linear, quantize.Int8Linear):
+        return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32, torch.int8)
+                and weight.shape[1] % 16 == 0)
+    return weight.device.type == "cpu"
+
+
+def caches(transformer):
+    return [t for layer in transformer.layers for t in (layer.attention.kv_cache.k_cache,
+                                                        layer.attention.kv_cache.v_cache)]
+
+
+def canary(transformer, run, state):
+    """From the cache `state`: a decode (2 rows at positions 12 and 7), then a verify (2 x 5 rows), run by
+    run(tokens, positions); their logits and the cache entries they wrote."""
+    for cache, saved in zip(caches(transformer), state):
+        cache.copy_(saved)
+    g = torch.Generator().manual_seed(0)
+    decode = (torch.randint(0, TOKENS, (2, 1), generator=g), torch.tensor([[12], [7]]))
+    verify = (torch.randint(0, TOKENS, (2, 5), generator=g), torch.tensor([[13], [8]]) + torch.arange(5))
+    with torch.no_grad():
+        logits = [run(*decode), run(*verify)]
+    return logits + [t.clone() for t in caches(transformer)]
+
+
+def largest(expected, got) -> float:
+    """The largest |difference| over the canary's logits and cache entries, over max(1, the largest |logit|)."""
+    scale = max(1.0, max(t.float().abs().max().item() for t in expected[:2]))
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(expected, got)) / scale
+
+
+def rms(expected, got) -> float:
+    """The RMS of the logits' difference over the logits' RMS, the larger of decode and verify."""
+    return max(((a.float() - b.float()).pow(2).mean().sqrt() / a.float().pow(2).mean().sqrt()).item()
+               for a, b in zip(expected[:2], got[:2]))
+
+
+def rounds_inputs(module) -> bool:
+    """Products that round their inputs (int4 to 8 bits, packed MX 6-bit codes to bf16)."""
+    return type(module).__name__ == "Int4Linear" or getattr(module, "table", None) is not None
+
+
+def apply(transformer, mapped=None) -> bool:
+    """Serve a loaded model's CPU steps with few_rows.cpp after checking them against model.py; False where it does
+    not serve (with one warning line where it refused). `mapped`: the model's tensors as mapped from its file,
+    whose pages each layer gives back once its weights are copied."""
+    products = [m for m in transformer.modules() if type(m) in PRODUCTS and served(m)]
+    if transformer.tok_embeddings.weight.device.type != "cpu" or not products:
+        return False  # an fp16 model, say: nothing here multiplies fp16 weights
+    reason = unsupported(transformer)
+    if reason:
+        warn(reason)
+        return False
+    if not kernels.load():
+        return False
+    transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
+    with torch.no_grad():
+        prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
+        transformer(prompt, torch.arange(12).expand(2, 12), torch.tensor([[11], [11]]))
+    state = [t.clone() for t in caches(transformer)]
+    expected = canary(transformer, transformer, state)
+    mapped = mapped or {}
+    release_file_pages(mapped.values())  # serve reads each layer again, and gives its pages back after
+    originals = serve(transformer, products, mapped)
+    around = canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state)
+    if isinstance(transformer.forward, OneCallStep):
+        one_call = canary(transformer, transformer, state)
+        if transformer.tok_embeddings.weight.dtype == torch.bfloat16:
+            off, bound = largest(around, one_call), 0.0  # it rounds where eager PyTorch rounds: the same bits
+        elif any(rounds_inputs(m) for m in products):
+            off, bound = rms(around, one_call), TOLERANCE
+        else:
+            off, bound = largest(around, one_call), ONE_CALL_FP32
+        if off > bound:
+            restore(transformer, originals)
+            warn(f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g}; did model.py's "
+                 "math change?)")
+            return False
+    off = rms(expected, around)
+    if off > TOLERANCE:
+        restore(transformer, originals)
+        warn(f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {TOLERANCE})")
+        return False
+    return True
+
+
+def serve(transformer, products, mapped) -> list:
+    """Swap in the backend's modules layer by layer (runtime layouts, stacks, huge pages), give back each layer's
+    file pages, and return what restore needs."""
+    originals = [(m, type(m)) for m in products]
+    for m in products:
+        m.__class__ = PRODUCTS[type(m)]
+    for layer in transformer.layers:
+        originals.append((layer.attention, model.Attention))
+        layer.attention.__class__ = Attention
+    one_call = one_call_possible(transformer, set(products))
+    pages, step_products = HugePages(), []
+    parts = [(f"layers.{i}.", layer) for i, layer in enumerate(transformer.layers)] + [("output.", transformer.output)]
+    for prefix, part in parts:
+        if part is transformer.output:
+            mine = [part] if part in products else []
+        else:  # in the order a step calls them
+            attention, mlp = part.attention, part.feed_forward
+            mine = [m for m in (attention.wq, attention.wk, attention.wv, attention.wo, mlp.w1,
+                                getattr(mlp, "w3", None), mlp.w2) if m is not None and m in products]
+        for m in mine:
+            m.prepare()
+        if one_call and part is not transformer.output:
+            qkv = [part.attention.wq, part.attention.wk, part.attention.wv]
+            gate_up = [part.feed_forward.w1, part.feed_forward.w3]
+            one_call = Stack.stackable(qkv) and Stack.stackable(gate_up)
+            if one_call:
+                mine = [Stack(qkv), part.attention.wo, Stack(gate_up), part.feed_forward.w2]
+                step_products += mine
+        move_to_huge_pages(mine, pages)
+        names = [n for n in mapped if n.startswith(prefix)]
+        if prefix == "output." and transformer.args.tie_embeddings:
+            names.append("tok_embeddings.weight")
+        release_file_pages(mapped[n] for n in names)
+    if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding
+        transformer.tok_embeddings.weight = transformer.output.weight
+    if one_call:
+        transformer.forward = OneCallStep(transformer, step_products + [transformer.output])
+        transformer.eager_steps = True  # compiling around one call only adds Dynamo's entry: see OneCallStep
+    return originals
+
+
+def one_call_possible(transformer, products) -> bool:
+    """Whether a step can be one llama_step call: a Llama-family model in bf16 or float32, in one process, every
+    product served, no bias but on q/k/v (q/k/v and gate/up must also stack: checked as the layers are served)."""
+    args, dtype = transformer.args, transformer.tok_embeddings.weight.dtype
+    layers = transformer.layers
+    if (args.family != "llama" or dtype not in (torch.bfloat16, torch.float32) or args.dim % 16 or args.head_dim % 16
+            or transformer.gather_logits is not model.no_communication or type(transformer.tok_embeddings) is not
+            nn.Embedding or any(layer.reduce is not model.no_communication for layer in layers)):
+        return False
+    unbiased = [p for layer in layers for p in (layer.attention.wo, layer.feed_forward.w1, layer.feed_forward.w3,
+                                                layer.feed_forward.w2)] + [transformer.output]
+    every = unbiased + [p for layer in layers for p in (layer.attention.wq, layer.attention.wk, layer.attention.wv)]
+    norms = [n.weight for layer in layers for n in (layer.attention_norm, layer.ffn_norm)] + [transformer.norm.weight]
+    return (all(p in products for p in every) and all(p.bias is None for p in unbiased)
+            and all(n.dtype == dtype for n in norms))
+
+
+def restore(transformer, originals):
+    """Put the model back on model.py's modules (the weights stay where the backend copied them)."""
+    for module, kind in originals:
+        module.__class__ = kind
+        for name in RUNTIME:
+            module.__dict__.pop(name, None)
+    transformer.__dict__.pop("forward", None)
+    transformer.__dict__.pop("eager_steps", None)

@@ -3,15 +3,12 @@
     python generate.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --prompt "def fib(n):" --compile
 """
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,11 +45,15 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     if mode:
         if mode not in quantize.MODES:
             raise InputError(f"{weights_path}: unknown quantization '{mode}' in the metadata; re-run quantize.py")
+        groupsize = metadata.get("groupsize", "128")
+        if mode == "int4" and groupsize not in map(str, quantize.INT4_GROUPSIZES):
+            raise InputError(f"{weights_path}: groupsize '{groupsize}' in the metadata is not one of "
+                             f"{quantize.INT4_GROUPSIZES}; re-run quantize.py")
         args = dataclasses.replace(args, tie_embeddings=False)  # quantize.py stores its own LM head
     with torch.device("meta"):
         model = Transformer(args)
         if mode:
-            quantize.replace_linears(model, mode, int(metadata.get("groupsize", 128)))
+            quantize.replace_linears(model, mode, int(groupsize) if mode == "int4" else 32)
     expected = model.state_dict()
     if args.tie_embeddings:
         expected.pop("output.weight")
@@ -160,84 +161,9 @@ def presize_caches(model, drafter, batch_size, longest_prompt, max_new_tokens, s
     model.setup_caches(batch_size, length)
 
 
-class ThreadSizer:
-    """Sizes a decode loop's CPU threads to the cores other processes leave free, from its start to its end.
-
-    Threads that split every product and then wait for each other lose their turns to any other busy process:
-    with one busy loop beside it on 2 cores, SmolLM2's bf16 decode fell from ~140 to ~36-41 tok/s, where one
-    thread ran ~116 (Zen 5; llama.cpp collapses the same way). At the start it counts the other processes' tasks
-    that are running or waiting to (/proc/stat's procs_running less its own running threads, the least of three
-    looks: 0 on that idle machine, 1 beside the busy loop) and gives each a core. Then every ~0.1 s it reads how
-    busy its CPUs were less its own CPU time (its own spinning threads are its own): idle, the others took 0.0-0.1
-    cores, beside the busy loop 0.4-1.0. It runs one thread fewer while they take more than 0.3 of a core beyond
-    what it leaves them, and one more once they take less than 0.2 of the last one it gave up. Results do not
-    change: each output of a few-row step is summed by one thread. A no-op without /proc (not Linux) or on one
-    thread. generate restores the thread count it found (keeps_thread_count)."""
-
-    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def __init__(self, interval=0.1):
-        self.most = self.threads = torch.get_num_threads()
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        self.spare = max(len(self.cpus) - self.most, 0)  # cores the others may take without slowing us
-        self.interval = interval
-        self.last = self.sample() if self.most > 1 else None
-        if self.last is not None and len(self.cpus) == os.cpu_count():  # procs_running counts every CPU's tasks
-            self.threads = max(1, self.most - max(0, min(self.others_running() for _ in range(3)) - self.spare))
-            torch.set_num_threads(self.threads)
-
-    def sample(self):
-        """(now, CPU seconds the CPUs we may run on were busy, this process's CPU seconds), or None."""
-        busy = 0
-        try:
-            with open("/proc/stat") as f:
-                for line in f:
-                    name, *ticks = line.split()
-                    if name.startswith("cpu") and name != "cpu" and int(name[3:]) in self.cpus:
-                        user, nice, system, _, _, irq, softirq, steal = map(int, ticks[:8])
-                        busy += user + nice + system + irq + softirq + steal
-        except (OSError, ValueError):
-            return None
-        return time.monotonic(), busy / self.TICK, time.process_time()
-
-    @staticmethod
-    def others_running() -> int:
-        """Tasks of other processes running or waiting to run now, in 0.5 ms (so a task passing by is missed)."""
-        time.sleep(0.0005)
-        try:
-            with open("/proc/stat") as f:
-                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
-            ours = 0
-            for task in os.listdir("/proc/self/task"):
-                with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/stat") as f:
-                    ours += f.read().rsplit(")", 1)[1].split()[0] == "R"
-        except (OSError, ValueError, StopIteration):
-            return 0
-        return running - ours
-
-    def __call__(self):
-        if self.last is None or time.monotonic() - self.last[0] < self.interval:
-            return
-        sample = self.sample()
-        if sample is None:
-            self.last = None
-            return
-        wall, busy, ours = (b - a for a, b in zip(self.last, sample))
-        self.last = sample
-        taken = (busy - ours) / wall - self.spare  # cores the others take from the ones we run on
-        given = self.most - self.threads
-        if taken > given + 0.3 and self.threads > 1:
-            self.threads -= 1
-        elif taken < given - 0.8 and self.threads < self.most:
-            self.threads += 1
-        else:
-            return
-        torch.set_num_threads(self.threads)
-
-
 def steps_in_one_call(model, drafter) -> bool:
     """Whether every step of this loop, the target's and a draft model's, is one kernel call (eager_steps: the CPU
-    backend's one-call step, which sums each output on one thread): the steps whose results ThreadSizer cannot
+    backend's one-call step, which sums each output on one thread): the steps whose results cpu.ThreadSizer cannot
     change (compiled steps would recompile for a new thread count, and Inductor's reductions may split another
     way)."""
     models = [model] + ([drafter.model] if hasattr(drafter, "model") else [])
@@ -252,7 +178,7 @@ class NoSizer:  # steps that are not one kernel call run on the threads they wer
 
 
 def keeps_thread_count(fn):
-    """The caller gets its thread count back from a loop whose ThreadSizer changed it, also after an error."""
+    """The caller gets its thread count back from a loop whose cpu.ThreadSizer changed it, also after an error."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         threads = torch.get_num_threads()
@@ -275,7 +201,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
     With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
     "auto": chosen online by speculative.AdaptiveK). Where its steps are single kernel calls (steps_in_one_call),
-    the loop's threads follow the cores other processes leave free (ThreadSizer); stats["threads"] is how many it
+    the loop's threads follow the cores other processes leave free (cpu.ThreadSizer); stats["threads"] is how many it
     ended with.
     """
     adaptive = AdaptiveK() if speculate_k == "auto" else None
@@ -308,7 +234,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     rounds, accept_counts, ks = 0, [0] * (k_max + 1), []
     draft_s = verify_s = 0.0
     drafted = tried = accepted = 0  # draft tokens proposed, judged, accepted
-    sizer = ThreadSizer() if steps_in_one_call(model, drafter) else NoSizer()
+    sizer = cpu.ThreadSizer() if steps_in_one_call(model, drafter) else NoSizer()
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
         if drafter is None:

@@ -24,9 +24,9 @@ MODES = ("int8", "int4", *MX_MODES)
 INT4_GROUPSIZES = (32, 64, 128, 256)
 
 
-# The reference forwards of int4 and MX dequantize a layer this many weight rows at a time: their float temporaries
-# for SmolLM2's whole MX LM head held ~0.5 GB (int64 codes, float values, scaled values), where loading (whose CPU
-# backend runs the reference once) is to hold about the file.
+# The reference forwards of int4 and MX dequantize a layer this many weight rows at a time: whole weights at once,
+# loading int4 SmolLM2 (whose CPU backend runs the reference once) peaked at 807 MB, its budget 270 (the file and the
+# runtime layouts: tests/test_quantize.py).
 ROWS = 1024
 
 

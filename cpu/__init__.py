@@ -4,8 +4,9 @@ prove to compute what model.py computes.
     apply(model)  # generate.load_model does this on CPU with --backend auto (the default), after the model's
                   # final dtype and device (a later .to() would leave the backend's copies behind)
 
-It checks that every module it would replace or run is exactly a type it implements and that the config holds no
-field it does not know. Then a canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three
+It checks that every module it would replace or run is exactly a type it implements, that the config holds no
+field it does not know, and that the functions its kernels replace or its one-call step re-implements are the code
+it was written against (REPLACED, ONE_CALL). Then a canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three
 ways: by model.py in PyTorch before the backend serves; by model.py's forward around the backend's products and
 attention; and by the backend's step (a Llama-family step is one C++ call that re-implements model.py's forward
 around them). The last two must give the same logits and cache entries bit for bit in bf16, where the one-call step
@@ -14,8 +15,12 @@ where a fork's change to model.py's math shows. The backend against PyTorch must
 and attention sum in another order than PyTorch's kernels (as any other BLAS would). On a mismatch it puts the model
 back as it was, says so in one line, and the model runs on model.py's PyTorch path.
 """
+import ast
 import dataclasses
+import hashlib
+import inspect
 import sys
+import textwrap
 
 import torch
 import torch.nn as nn
@@ -26,6 +31,7 @@ import tp
 from checkpoint import release_file_pages
 from cpu import kernels
 from cpu.modules import PRODUCTS, Attention, HugePages, OneCallStep, Stack, move_to_huge_pages
+from cpu.threads import ThreadSizer
 
 # The config fields whose meaning the backend implements: the one-call step reads norm_eps; the rest shape what
 # model.py computes around the products and attention (rotary tables, biases, the family's wiring).
@@ -34,6 +40,7 @@ KNOWN_FIELDS = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "inter
 # The modules it runs as model.py has them (exact types: a subclass may compute something else).
 KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.KVCache, nn.LayerNorm, nn.Embedding,
         nn.ModuleList, tp.VocabShardEmbedding)
+__all__ = ["apply", "ThreadSizer"]
 RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")
 # The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS. Measured on
 # SmolLM2's canary (Zen 5): bf16 0.8-1.5% (every weight format), float32 ~1e-6, int4 and packed mxfp6 in float32
@@ -46,6 +53,51 @@ TOKENS = 64
 ONE_CALL_FP32 = 1e-5  # the one-call step against model.py's forward, float32: largest |difference| / largest |logit|
 
 
+# The functions whose math the backend's kernels replace outright, so that no canary comparison of its own sees an
+# edit to them: fingerprints of the code it was written against (their bodies without docstrings or comments). A
+# fork that edits one gets model.py's path; whoever changes one here updates the kernels, then the fingerprint
+# (tests/test_cpu.py says which).
+REPLACED = {"model.Attention.attend": "423a3b3882bae005", "quantize.round_activations": "a427fa4042febd53",
+            "quantize.Int8Linear.forward": "86175d56254422be", "quantize.Int8Linear.dequantize": "adeff3cadfb8d27b",
+            "quantize.Int4Linear.forward": "7cf5e166257b2229", "quantize.Int4Linear.dequantize": "c7f96218389c002b",
+            "quantize.MXLinear.forward": "19844c2ec51730e1", "quantize.MXLinear.dequantize": "5dcdc731dad2512b"}
+
+
+# What the one-call step re-implements. The canary compares it with these bit for bit, but only at the positions and
+# shapes it runs (a sliding window that starts past them would not show): an edit to one turns the one-call step
+# off, and steps run model.py's forward around the backend's products and attention.
+ONE_CALL = {"model.Transformer.forward": "d99fe7c47a2fb49a", "model.Block.forward": "c9f29cd7f56aec16",
+            "model.Attention.forward": "0452fc456252c8d4", "model.FeedForward.forward": "6e03e4b6d2c65663",
+            "model.RMSNorm.forward": "0614483d64827bff", "model.apply_rotary": "68e59c4c9446e00e",
+            "model.KVCache.update": "c3180226161540c1"}
+
+
+def fingerprint(function) -> str:
+    """A hash of a function's body as code: its docstring, comments and layout do not count."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+    return hashlib.sha256("\n".join(ast.unparse(node) for node in body).encode()).hexdigest()[:16]
+
+
+def edited(fingerprints) -> list[str]:
+    """The functions whose code is not the code the backend implements (REPLACED: also model.Linear with a forward
+    of its own, since the backend's products replace nn.Linear's)."""
+    modules = {"model": model, "quantize": quantize}
+    changed = [] if fingerprints is not REPLACED or model.Linear.forward is nn.Linear.forward else \
+        ["model.Linear.forward"]
+    for name, expected in fingerprints.items():
+        target = modules[name.split(".")[0]]
+        for part in name.split(".")[1:]:
+            target = getattr(target, part)
+        try:
+            same = fingerprint(target) == expected
+        except (OSError, TypeError):  # no source to read (defined at run time): cannot vouch for it
+            same = False
+        if not same:
+            changed.append(name)
+    return changed
+
+
 def warn(message):
     print(f"warning: CPU backend: {message}; the model runs on model.py's PyTorch path", file=sys.stderr)
 
@@ -55,6 +107,9 @@ def unsupported(transformer) -> str | None:
     extra = [f.name for f in dataclasses.fields(transformer.args) if f.name not in KNOWN_FIELDS]
     if extra:
         return f"config field '{extra[0]}' is not one it implements"
+    changed = edited(REPLACED)
+    if changed:
+        return f"{changed[0]} is not the code its kernels implement (edited?)"
     for name, module in transformer.named_modules():
         if type(module) not in KEPT + tuple(PRODUCTS) + (model.Attention,):
             return f"module {name or 'model'} is a {type(module).__name__}, not a type it implements"
@@ -160,6 +215,11 @@ def serve(transformer, products, mapped) -> list:
         originals.append((layer.attention, model.Attention))
         layer.attention.__class__ = Attention
     one_call = one_call_possible(transformer, set(products))
+    changed = edited(ONE_CALL) if one_call else []
+    if changed:
+        one_call = False
+        print(f"warning: CPU backend: {changed[0]} is not the code its one-call step implements (edited?); steps run "
+              "model.py's forward around its kernels", file=sys.stderr)
     pages, step_products = HugePages(), []
     parts = [(f"layers.{i}.", layer) for i, layer in enumerate(transformer.layers)] + [("output.", transformer.output)]
     for prefix, part in parts:

@@ -89,12 +89,6 @@ def step_rows(x) -> bool:
     return x.dim() >= 2 and x.shape[-2] <= STEP_TOKENS
 
 
-def takes(weight) -> bool:
-    """Whether few_rows.cpp multiplies by this weight: contiguous bf16, fp32, int8, or uint8 codes, on CPU."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32, torch.int8, torch.uint8)
-            and weight.is_contiguous())
-
-
 def product(x, weight, factors=None, table=None):
     """x [..., K] @ (weight [N, K] x factors).T in float32; factors: [N] or [N, K / block]. With a table
     (packed MX 6-bit codes): weight holds the codes of the table's values, factors their E8M0 scales."""

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
-from checkpoint import InputError, resolve_checkpoint  # noqa: E402
+from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
 from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from speculative import MAX_SPECULATE_K, ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
@@ -315,7 +315,7 @@ def bench(opts):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", required=True)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--num_prompts", type=int, default=3)

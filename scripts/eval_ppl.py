@@ -7,7 +7,6 @@ exp(total negative log-likelihood / total scored tokens), over all tasks togethe
 --dtype (bf16: the baseline the quantized modes are compared with) and activations are computed in float32, so
 the numbers differ only by the weights (and a float32 prefill is ~3x faster than bf16 on CPUs without bf16 FMA).
 """
-import argparse
 import json
 import math
 import sys

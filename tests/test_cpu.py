@@ -1,9 +1,11 @@
 """The CPU backend (cpu/): few_rows.cpp's kernels against float64 and against themselves (rows, builds, threads),
 the one-call step against model.py's forward, where the backend serves and where it refuses."""
+import inspect
 import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -188,7 +190,7 @@ def attention_inputs(dtype, groups=3):
 
 def few_rows_outputs():
     x, cases = few_rows_cases()
-    outputs = {(name, rows): product(x[:rows].contiguous()) for name, (product, _, _) in cases.items()
+    outputs = {(name, rows): compute(x[:rows].contiguous()) for name, (compute, _, _) in cases.items()
                for rows in (1, 5, 16)}
     for dtype in (torch.float32, torch.bfloat16):
         for groups in ATTENTION_GROUPS:
@@ -204,13 +206,13 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
     rows (what keeps speculative verify equal to decode at any K)."""
     assert kernels.load(), "few_rows.cpp did not build (needs a C++ compiler, as torch.compile does)"
     x, cases = few_rows_cases()
-    for name, (product, reference, inputs) in cases.items():
+    for name, (compute, reference, inputs) in cases.items():
         expected = inputs(x).double() @ reference.double().T
-        y = product(x)
+        y = compute(x)
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() / scale < 1e-5, name
         for rows in (1, 2, 3, 5, 8, 16, 17):
-            assert torch.equal(product(x[-rows:].contiguous()), y[-rows:]), (name, rows)
+            assert torch.equal(compute(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
 def test_few_rows_packed_fp6_nan_scale_makes_its_outputs_nan():
@@ -317,7 +319,7 @@ def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
 
 
 def test_a_step_gives_the_same_bits_on_any_number_of_threads(smollm2):
-    """Decoding may drop a thread while another process keeps a core busy (generate.ThreadSizer): every output of a
+    """Decoding may drop a thread while another process keeps a core busy (cpu.ThreadSizer): every output of a
     few-row step is summed by one thread, so 1 and 2 threads give the same logits, bit for bit."""
     ckpt, _ = smollm2
     m = load_model(ckpt, "cpu", torch.bfloat16)
@@ -353,21 +355,28 @@ def qk_norm_forward(self, x, cos, sin, mask, input_pos):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_fork_that_changes_model_py_gets_model_py(smollm2, monkeypatch, capsys, dtype):
-    """model.py's Attention edited in place to add QK-norm, which the one-call step does not do: the backend's canary
-    step differs from model.py's forward, so it refuses in one line and the model runs model.py's own math: the same
-    greedy tokens as with --backend torch."""
+    """model.py's Attention.forward edited in place to add QK-norm, which the one-call step does not do: the backend
+    says so in one line, turns its one-call step off, and steps run the fork's forward around its kernels. Checked
+    against the fork on --backend torch: float32 the same greedy tokens, bf16 logits within the canary's 5% RMS
+    (both far from the unforked model's)."""
     ckpt, _ = smollm2
     prompt = Tokenizer(ckpt).encode("def fibonacci(n):")
+    reference = load_model(ckpt, "cpu", dtype, backend="torch")
+    unforked = generate(reference, [prompt], 16, Steps())[0]
     monkeypatch.setattr(model.Attention, "forward", qk_norm_forward)
     capsys.readouterr()
     forked = load_model(ckpt, "cpu", dtype)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and re.fullmatch(r"warning: CPU backend: its one-call step differs from model.py's forward "
-                                            r"by .*; the model runs on model.py's PyTorch path", lines[0]), lines
-    assert not getattr(forked, "eager_steps", False)
-    assert not any(type(x).__module__ == modules.__name__ for x in forked.modules())
-    reference = load_model(ckpt, "cpu", dtype, backend="torch")
-    assert generate(forked, [prompt], 16, Steps())[0] == generate(reference, [prompt], 16, Steps())[0]
+    assert capsys.readouterr().err == ("warning: CPU backend: model.Attention.forward is not the code its one-call "
+                                       "step implements (edited?); steps run model.py's forward around its kernels\n")
+    assert not getattr(forked, "eager_steps", False) and type(forked.layers[0].attention) is modules.Attention
+    ours, theirs = generate(forked, [prompt], 16, Steps())[0], generate(reference, [prompt], 16, Steps())[0]
+    assert ours != unforked
+    if dtype == torch.float32:
+        assert ours == theirs
+    tokens = torch.tensor([prompt + ours[0]])
+    with torch.no_grad():
+        logits = [m(tokens, torch.arange(tokens.shape[1])[None]).float() for m in (forked, reference)]
+    assert ((logits[0] - logits[1]).pow(2).mean() / logits[1].pow(2).mean()).sqrt() < 0.05
 
 
 def test_modules_and_config_fields_it_does_not_implement_are_refused(capsys):
@@ -408,3 +417,64 @@ def test_backend_and_pytorch_give_the_same_float32_tokens(smollm2):
         assert getattr(m, "eager_steps", False) == (backend == "auto")
         runs.append(generate(m, [prompt], 128, Steps())[0])
     assert runs[0] == runs[1]
+
+
+def test_the_functions_its_kernels_replace_are_the_ones_it_implements():
+    """The backend's products and attention replace model.py's attend and quantize.py's forwards, dequantize and
+    round_activations outright, so no canary comparison of its own would see an edit to them, and the one-call step
+    re-implements model.py's forward, which the canary sees only at its few positions: it holds a fingerprint of
+    each. Failing here means one was edited: change the kernels (or the one-call step) to match, then the
+    fingerprint in cpu.REPLACED (or cpu.ONE_CALL)."""
+    assert cpu.edited(cpu.REPLACED) == [] and cpu.edited(cpu.ONE_CALL) == []
+
+
+def test_an_edit_to_a_replaced_function_is_refused(monkeypatch, capsys):
+    """A fork caps attention's logits in model.Attention.attend (as Gemma 2 does), which few_rows.cpp's attention
+    does not: refused in one line, and the model keeps model.py's attend."""
+    def capped_attend(self, q, k, v, mask, input_pos):
+        scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).float()
+        scores = (50 * torch.tanh(scores / 50)).masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1).to(q.dtype) @ v)
+    monkeypatch.setattr(model.Attention, "attend", capped_attend)
+    m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                          intermediate_size=96)).eval()
+    capsys.readouterr()
+    assert not cpu.apply(m)
+    assert capsys.readouterr().err == ("warning: CPU backend: model.Attention.attend is not the code its kernels "
+                                       "implement (edited?); the model runs on model.py's PyTorch path\n")
+    assert type(m.layers[0].attention) is model.Attention
+
+
+def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, capsys):
+    """A fork windows attention in Transformer.forward's mask (only past position 1000: the canary never gets
+    there): the backend's one-call step does not know it, so it is off and steps run model.py's forward, with the
+    window, around the backend's products and attention."""
+    source = inspect.getsource(model.Transformer.forward)
+    windowed = source.replace("mask = slots <= input_pos[:, None, :, None]",
+                              "mask = (slots <= input_pos[:, None, :, None]) & "
+                              "(slots > input_pos[:, None, :, None] - 1000)")
+    assert windowed != source
+    namespace = {}
+    exec(textwrap.dedent(windowed), vars(model), namespace)
+    monkeypatch.setattr(model.Transformer, "forward", namespace["forward"])
+    capsys.readouterr()
+    m = served_model(torch.bfloat16)
+    assert not getattr(m, "eager_steps", False) and type(m.layers[0].attention) is modules.Attention
+    assert capsys.readouterr().err == ("warning: CPU backend: model.Transformer.forward is not the code its one-call "
+                                       "step implements (edited?); steps run model.py's forward around its kernels\n")
+
+
+def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsys):
+    """The canary's second line of defence: QK-norm edited into Attention.forward with its fingerprint updated as if
+    the one-call step implemented it (it does not): the one-call step's logits differ from model.py's forward, so
+    the backend refuses in one line and restores model.py's modules."""
+    monkeypatch.setattr(model.Attention, "forward", qk_norm_forward)
+    monkeypatch.setitem(cpu.ONE_CALL, "model.Attention.forward", cpu.fingerprint(qk_norm_forward))
+    capsys.readouterr()
+    m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                          intermediate_size=96)).to(torch.bfloat16).eval()
+    assert not cpu.apply(m)
+    assert re.fullmatch(r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0; "
+                        r"did model.py's math change\?\); the model runs on model.py's PyTorch path\n",
+                        capsys.readouterr().err)
+    assert type(m.layers[0].attention) is model.Attention and "forward" not in vars(m)

@@ -14,7 +14,7 @@ from conftest import ROOT
 from checkpoint import map_safetensors
 from generate import Steps, generate, load_model
 from speculative import ModelDrafter
-from test_generate import assert_interrupted, cli, interrupted
+from test_generate import assert_interrupted, assert_one_line_error, cli, interrupted
 from tokenizer import Tokenizer
 
 # Linear bits per weight on disk (codes + scales), from the acceptance list
@@ -229,3 +229,15 @@ def test_ctrl_c_while_quantizing_writes_nothing(smollm2, tmp_path):
                                  "quantize mxfp6:")
     assert_interrupted(status, err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_groupsize_in_the_metadata_is_one_line(quantized, tmp_path):
+    """An int4 file whose metadata names a group size quantize.py never writes: one line naming the file."""
+    from safetensors.torch import save_file
+    tensors, metadata = map_safetensors(quantized["int4"])
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(quantized["int4"].parent / name)
+    save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / "model.int4.safetensors",
+              metadata=dict(metadata, groupsize="abc"))
+    assert_one_line_error(cli("--checkpoint_path", str(tmp_path / "model.int4.safetensors")), "groupsize 'abc'",
+                          "re-run quantize.py")

@@ -1,0 +1,82 @@
+"""The CPU threads of a decode loop whose steps are the backend's single calls, sized to the cores other processes
+leave free."""
+import contextlib
+import os
+import time
+
+import torch
+
+
+class ThreadSizer:
+    """Sizes a decode loop's CPU threads to the cores other processes leave free, from its start to its end.
+
+    Threads that split every product and then wait for each other lose their turns to any other busy process:
+    with one busy loop beside it on 2 cores, SmolLM2's bf16 decode fell from ~140 to ~36-41 tok/s, where one
+    thread ran ~116 (Zen 5; llama.cpp collapses the same way). At the start it counts the other processes' tasks
+    that are running or waiting to (/proc/stat's procs_running less its own running threads, the least of three
+    looks: 0 on that idle machine, 1 beside the busy loop) and gives each a core. Then every ~0.1 s it reads how
+    busy its CPUs were less its own CPU time (its own spinning threads are its own): idle, the others took 0.0-0.1
+    cores, beside the busy loop 0.4-1.0. It runs one thread fewer while they take more than 0.3 of a core beyond
+    what it leaves them, and one more once they take less than 0.2 of the last one it gave up. Results do not
+    change: each output of a few-row step is summed by one thread. A no-op without /proc (not Linux) or on one
+    thread. generate.generate restores the thread count it found (keeps_thread_count)."""
+
+    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __init__(self, interval=0.1):
+        self.most = self.threads = torch.get_num_threads()
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.spare = max(len(self.cpus) - self.most, 0)  # cores the others may take without slowing us
+        self.interval = interval
+        self.last = self.sample() if self.most > 1 else None
+        if self.last is not None and len(self.cpus) == os.cpu_count():  # procs_running counts every CPU's tasks
+            self.threads = max(1, self.most - max(0, min(self.others_running() for _ in range(3)) - self.spare))
+            torch.set_num_threads(self.threads)
+
+    def sample(self):
+        """(now, CPU seconds the CPUs we may run on were busy, this process's CPU seconds), or None."""
+        busy = 0
+        try:
+            with open("/proc/stat") as f:
+                for line in f:
+                    name, *ticks = line.split()
+                    if name.startswith("cpu") and name != "cpu" and int(name[3:]) in self.cpus:
+                        user, nice, system, _, _, irq, softirq, steal = map(int, ticks[:8])
+                        busy += user + nice + system + irq + softirq + steal
+        except (OSError, ValueError):
+            return None
+        return time.monotonic(), busy / self.TICK, time.process_time()
+
+    @staticmethod
+    def others_running() -> int:
+        """Tasks of other processes running or waiting to run now, in 0.5 ms (so a task passing by is missed)."""
+        time.sleep(0.0005)
+        try:
+            with open("/proc/stat") as f:
+                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+            ours = 0
+            for task in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/stat") as f:
+                    ours += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, ValueError, StopIteration):
+            return 0
+        return running - ours
+
+    def __call__(self):
+        if self.last is None or time.monotonic() - self.last[0] < self.interval:
+            return
+        sample = self.sample()
+        if sample is None:
+            self.last = None
+            return
+        wall, busy, ours = (b - a for a, b in zip(self.last, sample))
+        self.last = sample
+        taken = (busy - ours) / wall - self.spare  # cores the others take from the ones we run on
+        given = self.most - self.threads
+        if taken > given + 0.3 and self.threads > 1:
+            self.threads -= 1
+        elif taken < given - 0.8 and self.threads < self.most:
+            self.threads += 1
+        else:
+            return
+        torch.set_num_threads(self.threads)

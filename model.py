@@ -135,6 +135,12 @@ def rope_frequencies(args: ModelArgs, device) -> torch.Tensor:
     return inv_freq
 
 
+def rope_tables(args: ModelArgs, n_positions: int, device):
+    """cos and sin of the rotary angles of positions 0..n_positions-1: [n_positions, rotary_dim / 2] in fp32."""
+    angles = torch.outer(torch.arange(n_positions, device=device, dtype=torch.float32), rope_frequencies(args, device))
+    return angles.cos(), angles.sin()
+
+
 def apply_rotary(x, cos, sin, rotary_dim):
     # x: [B, T, H, D]; cos, sin: [B, T, 1, rotary_dim / 2] in fp32.
     rot = x[..., :rotary_dim].float()
@@ -281,10 +287,9 @@ class Transformer(nn.Module):
             attn = layer.attention
             attn.kv_cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, self.args.head_dim, dtype, device)
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
-        angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32),
-                             rope_frequencies(self.args, device))
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        cos, sin = rope_tables(self.args, max_seq_len, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens, input_pos, logits_idx=None):
         """tokens, input_pos: [B, T]. logits_idx [B, N] (optional): only those positions get logits."""

@@ -1,16 +1,22 @@
-"""Run an exported target + draft pair (scripts/export_qaic.py) under onnxruntime: greedy speculative decoding
-with the host loop the Cloud AI 100's host runs.
+"""Run an exported target + draft pair (scripts/export_qaic.py): greedy speculative decoding with the host loop the
+Cloud AI 100's host runs, on onnxruntime, on a float16 emulation of the card, or on the card itself.
 
     python scripts/run_onnx.py --target qaic/target --draft qaic/draft --prompt "def fib(n):" --max_new_tokens 64
+        [--runtime onnxruntime | float16 | qaic]
+
+Runtimes: `onnxruntime` runs the fp32 graph; `float16` runs it as the card's -convert-to-fp16 does, every float
+tensor and every op in float16, with onnx's ReferenceEvaluator (slow: a check, not a server); `qaic` runs the
+compiled programs (`<dir>/qpc`, written by the compile commands export_qaic.py prints) through the SDK's `qaicrt`,
+with the KV state kept on the card (-retained-state) and never sent or read.
 
 Only the shapes of the specializations are used: prefill calls of prefill_len tokens (the last chunk padded
-with position -1), draft decodes of 1 token, target decodes of K + 1. Each call's *_RetainedState outputs
-are the next call's past inputs. A round: the draft catches up on the tokens it has not seen and proposes K
-tokens one at a time; the target scores [last, d1..dK] at positions p..p+K in one call; the longest prefix
-of drafts equal to the target's argmax is accepted, plus the target's next token. The next call starts at
-p + accepted + 1 and overwrites the stale slots.
+with position -1), draft decodes of 1 token, target decodes of K + 1. A round: the draft catches up on the tokens
+it has not seen and proposes K tokens one at a time; the target scores [last, d1..dK] at positions p..p+K in one
+call; the longest prefix of drafts equal to the target's argmax is accepted, plus the target's next token. The
+next call starts at p + accepted + 1 and overwrites the stale slots.
 """
 import json
+import platform
 import sys
 import time
 from collections import Counter
@@ -23,11 +29,178 @@ from checkpoint import InputError, OneLineErrors  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 
-class ExportedModel:
-    """One exported graph, its KV state, and how many leading positions of that state are valid."""
+class HostState:
+    """A runtime that takes the KV state as inputs and returns it as outputs: the host keeps it between calls."""
 
-    def __init__(self, directory, role: str):
+    dtype = np.float32
+
+    def __init__(self, directory: Path, meta: dict):
+        self.meta = meta
+        shape = (meta["batch_size"], meta["n_kv_heads"], meta["ctx_len"], meta["head_dim"])
+        self.past = {f"past_{kind}.{i}": np.zeros(shape, self.dtype) for i in range(meta["n_layers"])
+                     for kind in ("key", "value")}
+
+    def run(self, feeds: dict) -> np.ndarray:
+        logits, *state = self.evaluate({**feeds, **self.past})
+        self.past = dict(zip(self.past, state))
+        return logits.astype(np.float32)
+
+
+class OnnxRuntime(HostState):
+    def __init__(self, directory: Path, meta: dict):
         import onnxruntime
+        super().__init__(directory, meta)
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        self.session = onnxruntime.InferenceSession(str(directory / "model.onnx"), options,
+                                                    providers=["CPUExecutionProvider"])
+
+    def evaluate(self, feeds):
+        return self.session.run(None, feeds)
+
+
+class Float16(HostState):
+    """The graph with every float tensor, constant and Cast in float16, run op by op by onnx's ReferenceEvaluator,
+    which rounds each op's result to float16 (onnxruntime's CPU provider computes some float16 ops in float32 and
+    would hide an overflow). Products accumulate in float32 and round their result to float16."""
+
+    dtype = np.float16
+
+    def __init__(self, directory: Path, meta: dict):
+        from onnx.reference import ReferenceEvaluator
+        super().__init__(directory, meta)
+        self.evaluator = ReferenceEvaluator(float16_graph(directory / "model.onnx"), new_ops=[Float32SumMatMul])
+
+    def evaluate(self, feeds):
+        with np.errstate(all="ignore"):  # softmax's masked -65504 and the unused branch of sigmoid overflow by design
+            return self.evaluator.run(None, feeds)
+
+
+def float16_graph(path: Path):
+    """The ONNX model at path, converted as -convert-to-fp16 converts it: float32 becomes float16 everywhere."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    def tensor(t):
+        if t.data_type == TensorProto.FLOAT:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name))
+
+    def nodes(node_list):
+        for node in node_list:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    tensor(attr.t)
+                elif attr.type == onnx.AttributeProto.GRAPH:
+                    graph(attr.g)
+                elif node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                    attr.i = TensorProto.FLOAT16
+
+    def graph(g):
+        for t in g.initializer:
+            tensor(t)
+        for value in [*g.input, *g.output, *g.value_info]:
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                value.type.tensor_type.elem_type = TensorProto.FLOAT16
+        nodes(g.node)
+
+    model = onnx.load(str(path))
+    graph(model.graph)
+    for function in model.functions:
+        nodes(function.node)
+    return model
+
+
+def _float32_sum_matmul():
+    from onnx.reference.op_run import OpRun
+
+    class MatMul(OpRun):
+        """float16 MatMul as a float32 BLAS product rounded to float16 (numpy's own float16 product is slow). A
+        float16 -> float32 cast is exact; each node keeps the float32 copy of its constant weight."""
+        widened = (None, None)
+
+        def _run(self, a, b):
+            if a.dtype != np.float16:
+                return (np.matmul(a, b),)
+            if self.widened[0] is not b:
+                self.widened = (b, b.astype(np.float32))
+            return (np.matmul(a.astype(np.float32), self.widened[1]).astype(np.float16),)
+
+    return MatMul
+
+
+class Qaic:
+    """The compiled program on the card through the SDK's qaicrt: the KV buffers stay on the card (-retained-state),
+    so every past_* input and *_RetainedState output is skipped; the logits buffer is sized per specialization."""
+
+    def __init__(self, directory: Path, meta: dict, device_id: int = 0):
+        qaicrt, aicapi = import_qaic_runtime()
+        qpc_path = directory / "qpc"
+        if not qpc_path.is_dir():
+            raise InputError(f"{qpc_path}: no compiled program; run the compile command export_qaic.py printed")
+        self.qaicrt, self.meta = qaicrt, meta
+        self.context = qaicrt.Context()
+        self.queue = qaicrt.Queue(self.context, device_id)
+        qpc = qaicrt.Qpc(str(qpc_path))
+        status, descriptor = qpc.getIoDescriptor()
+        self.ok(status, "read the program's IO descriptor")
+        io = aicapi.IoDesc()
+        io.ParseFromString(bytes(descriptor))
+        self.bindings = list(io.selected_set.bindings)
+        self.index = {b.name: b.index for b in self.bindings}
+        self.np_type = {aicapi.FLOAT_TYPE: np.float32, aicapi.FLOAT_16_TYPE: np.float16,
+                        aicapi.INT64_I_TYPE: np.int64, aicapi.INT32_I_TYPE: np.int32}
+        self.program = qaicrt.Program(self.context, device_id, qpc, qaicrt.QAicProgramProperties())
+        self.ok(self.program.load(), "load the program")
+        self.program.activate()
+        self.exec = qaicrt.ExecObj(self.context, self.program)
+        self.buffers = [qaicrt.QBuffer(bytes(0)) for _ in self.bindings]  # empty: skipped
+        self.dims = qaicrt.BufferDimensionsVecRef([(np.dtype(self.np_type[b.type]).itemsize, [0])
+                                                   for b in self.bindings])
+
+    def ok(self, status, what):
+        if status != self.qaicrt.QStatus.QS_SUCCESS:
+            raise RuntimeError(f"qaicrt could not {what} ({status})")
+
+    def put(self, name, array):
+        i = self.index[name]
+        self.buffers[i] = self.qaicrt.QBuffer(array.tobytes())
+        self.dims[i] = (array.itemsize, list(array.shape))
+
+    def run(self, feeds: dict) -> np.ndarray:
+        for name, array in feeds.items():
+            self.put(name, array)
+        keep = feeds["num_logits_to_keep"].shape[0] if "num_logits_to_keep" in feeds else 1
+        logits_type = self.np_type[self.bindings[self.index["logits"]].type]
+        self.put("logits", np.zeros((self.meta["batch_size"], keep, self.meta["vocab_size"]), logits_type))
+        self.ok(self.exec.setData(self.buffers, self.dims), "set the buffers")
+        self.ok(self.queue.enqueue(self.exec), "enqueue a run")
+        self.ok(self.exec.waitForCompletion(), "run the program")
+        status, outputs = self.exec.getData()
+        self.ok(status, "read the outputs")
+        logits = np.frombuffer(bytes(outputs[self.index["logits"]]), logits_type)
+        return logits.reshape(self.meta["batch_size"], keep, -1).astype(np.float32)
+
+
+def import_qaic_runtime():
+    """-> (qaicrt, QAicApi_pb2) from the Cloud AI 100 Platform and Apps SDKs, where they install them."""
+    sys.path += [f"/opt/qti-aic/dev/lib/{platform.machine()}", "/opt/qti-aic/dev/python"]
+    try:
+        import QAicApi_pb2
+        import qaicrt
+    except ImportError as e:
+        raise InputError(f"the Cloud AI 100 runtime is not installed ({e.name} not found in /opt/qti-aic/dev); run on "
+                         "a host with the card's Platform and Apps SDKs, or use --runtime onnxruntime") from None
+    return qaicrt, QAicApi_pb2
+
+
+RUNTIMES = {"onnxruntime": OnnxRuntime, "float16": Float16, "qaic": Qaic}
+Float32SumMatMul = _float32_sum_matmul()
+
+
+class ExportedModel:
+    """One exported graph on a runtime, and how many leading positions of its KV state are valid."""
+
+    def __init__(self, directory, role: str, runtime: str = "onnxruntime"):
         directory = Path(directory)
         meta_path = directory / "qaic.json"
         if not meta_path.is_file():
@@ -39,30 +212,29 @@ class ExportedModel:
         if self.meta["batch_size"] != 1:
             raise InputError(f"{meta_path}: batch_size {self.meta['batch_size']}; this loop drives one sequence, "
                              "export with --batch_size 1")
-        self.directory = directory
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
-        self.session = onnxruntime.InferenceSession(str(directory / "model.onnx"), options,
-                                                    providers=["CPUExecutionProvider"])
-        m = self.meta
-        shape = (1, m["n_kv_heads"], m["ctx_len"], m["head_dim"])
-        self.past = {f"past_{kind}.{i}": np.zeros(shape, np.float32) for i in range(m["n_layers"])
-                     for kind in ("key", "value")}
+        if "num_cores" not in self.meta:
+            raise InputError(f"{meta_path}: written by an older export_qaic.py; export again")
+        self.directory, self.role = directory, role
+        self.runtime = RUNTIMES[runtime](directory, self.meta)
         self.valid = 0  # positions 0..valid-1 of the state hold the sequence's tokens
 
     def __call__(self, tokens: list[int], start: int) -> np.ndarray:
-        """Tokens at positions start.. (padded to the call's length with position -1) -> logits [n, V] from the
-        target, [1, V] from the draft (its graph returns the last valid position only)."""
-        n = len(tokens)
-        length = self.meta["decode_len"] if n <= self.meta["decode_len"] else self.meta["prefill_len"]
+        """Tokens at positions start.. (padded to the call's length with position -1) -> logits [n, V] of the last
+        n positions: every position in the target's decode, the last one in a prefill and in every draft call."""
+        n, m = len(tokens), self.meta
+        decode = n <= m["decode_len"]
+        length = m["decode_len"] if decode else m["prefill_len"]
         ids = np.zeros((1, length), np.int64)
         ids[0, :n] = tokens
         positions = np.full((1, length), -1, np.int64)
         positions[0, :n] = np.arange(start, start + n)
-        logits, *state = self.session.run(None, dict(input_ids=ids, position_ids=positions, **self.past))
-        self.past = dict(zip(self.past, state))
+        feeds = dict(input_ids=ids, position_ids=positions)
+        keep = m["decode_len"] if decode and self.role == "target" else 1
+        if self.role == "target":
+            feeds["num_logits_to_keep"] = np.zeros((keep, 1), np.int64)
+        logits = self.runtime.run(feeds)
         self.valid = start + n
-        return logits[0, :n]
+        return logits[0, keep - min(n, keep):]
 
     def prefill(self, tokens: list[int]) -> np.ndarray:
         chunk = self.meta["prefill_len"]
@@ -83,6 +255,14 @@ def check_pair(target: ExportedModel, draft: ExportedModel, prompt_len: int, max
             raise InputError(f"{model.directory / 'qaic.json'}: ctx_len {model.meta['ctx_len']} is smaller than prompt "
                              f"({prompt_len}) + max_new_tokens ({max_new_tokens}) + speculate_k ({k}) - 1 = {need}; "
                              f"re-export with --ctx_len {need} or more")
+
+
+def greedy(target: ExportedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding on the target alone, one token per decode call: the reference for speculative_greedy."""
+    tokens = prompt + [int(target.prefill(prompt).argmax())]
+    while len(tokens) - len(prompt) < max_new_tokens:
+        tokens.append(int(target([tokens[-1]], len(tokens) - 1)[-1].argmax()))
+    return tokens[len(prompt):]
 
 
 def speculative_greedy(target: ExportedModel, draft: ExportedModel, prompt: list[int], max_new_tokens: int):
@@ -115,10 +295,13 @@ def main(argv=None):
     p.add_argument("--draft", required=True, help="directory written by export_qaic.py --role draft")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--runtime", choices=list(RUNTIMES), default="onnxruntime",
+                   help="onnxruntime (fp32), float16 (the card's precision, emulated op by op; slow) or qaic (the card)")
     p.add_argument("--json", action="store_true", help="one JSON line: tokens, text and the acceptance metrics")
     opts = p.parse_args(argv)
     try:
-        target, draft = ExportedModel(opts.target, "target"), ExportedModel(opts.draft, "draft")
+        target = ExportedModel(opts.target, "target", opts.runtime)
+        draft = ExportedModel(opts.draft, "draft", opts.runtime)
         tokenizer = Tokenizer(opts.target)
         prompt = tokenizer.encode(opts.prompt)
         start = time.perf_counter()
@@ -128,13 +311,13 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     rounds = sum(accepted.values())  # as generate.py: accept_counts[n] rounds accepted n drafts; each adds one more
     metrics = dict(accept_counts=[accepted[n] for n in range(target.meta["decode_len"])],
-                   mean_accepted=(sum(n * c for n, c in accepted.items()) + rounds) / rounds, speculate_k=target.meta["decode_len"] - 1,
-                   tokens_per_s=len(new) / seconds)
+                   mean_accepted=(sum(n * c for n, c in accepted.items()) + rounds) / rounds,
+                   speculate_k=target.meta["decode_len"] - 1, tokens_per_s=len(new) / seconds)
     if opts.json:
         print(json.dumps(dict(prompt=opts.prompt, tokens=new, text=tokenizer.decode(new), **metrics)))
     else:
         print(opts.prompt + tokenizer.decode(new), flush=True)
-        print(f"{metrics['tokens_per_s']:.1f} tok/s under onnxruntime, {metrics['mean_accepted']:.2f} tokens per round "
+        print(f"{metrics['tokens_per_s']:.1f} tok/s on {opts.runtime}, {metrics['mean_accepted']:.2f} tokens per round "
               f"(K={metrics['speculate_k']}), accept counts {metrics['accept_counts']}", file=sys.stderr)
 
 

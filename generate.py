@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import cpu
+import gpu
 import quantize
 import tp
 from checkpoint import InputError, OneLineErrors, map_safetensors, resolve_checkpoint
@@ -34,8 +35,8 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     """Build on the meta device, then assign the mapped tensors: the weights are never held twice.
     A file written by quantize.py carries its mode in the metadata and gets quantized modules.
     With a process group (torchrun), tp.py slices the mapped tensors first, so each rank copies only its shard.
-    backend "auto": on CPU the CPU backend serves the model where it proves to compute what model.py does (cpu/);
-    "torch": model.py alone."""
+    backend "auto": on CPU the CPU backend serves the model where it proves to compute what model.py does (cpu/),
+    on CUDA int4 layers run on tinygemm (gpu.py); "torch": model.py alone."""
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend}: unknown; use {' or '.join(BACKENDS)}")
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
@@ -73,6 +74,8 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
     if backend == "auto" and torch.device(device).type == "cpu":
         cpu.apply(model, tensors)
+    elif backend == "auto" and torch.device(device).type == "cuda":
+        gpu.apply(model)
     return model.eval()
 
 
@@ -372,10 +375,14 @@ def check_options(opts):
         raise InputError("--draft model needs --draft_checkpoint PATH")
     if opts.draft == "ngram" and opts.draft_checkpoint:
         raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
+    check_device(opts.device)
+
+
+def check_device(device):
     try:
-        torch.empty(0, device=opts.device)
+        torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
-        raise InputError(f"--device {opts.device}: not available ({str(e).splitlines()[0]})") from None
+        raise InputError(f"--device {device}: not available ({str(e).splitlines()[0]})") from None
 
 
 def make_drafter(opts, tokenizer, dtype, target_args, device):

@@ -7,6 +7,7 @@ stays 16-bit: a decode step reads one row of it).
 Each module keeps its on-disk layout and has one forward in plain PyTorch, valid on any device: the reference.
 The CPU backend (cpu/) serves them with few_rows.cpp and layouts of its own, built at load from these.
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -211,6 +212,26 @@ def quantize_tensor(mode, w, groupsize, rule):
     if mode == "int4":
         return Int4Linear.quantize(w, groupsize)
     return MXLinear.quantize(w, MX_MODES[mode], rule)
+
+
+def quantize_model(model, mode, groupsize=32, rule=None):
+    """Quantize a loaded model's Linears in place, one at a time (each float weight is dropped as its layer is
+    done); the LM head gets its own quantized copy, as quantize_checkpoint writes it. -> the model"""
+    check_mode(mode, groupsize)
+    rule = rule or mx.DEFAULT_RULE.get(MX_MODES.get(mode), "rceil")
+    model.args = dataclasses.replace(model.args, tie_embeddings=False)
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                name = f"{parent_name}.{child_name}".lstrip(".")
+                with torch.device("meta"):
+                    module = quantized_linear(mode, child, groupsize, name)
+                state = quantize_tensor(mode, child.weight.detach(), groupsize, rule)
+                if child.bias is not None:
+                    state["bias"] = child.bias.detach()
+                module.load_state_dict(state, assign=True)
+                setattr(parent, child_name, module)
+    return model
 
 
 def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=None, progress=True) -> Path:

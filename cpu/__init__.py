@@ -240,7 +240,7 @@ def serve(transformer, products, mapped) -> list:
                 step_products += mine
         move_to_huge_pages(mine, pages)
         names = [n for n in mapped if n.startswith(prefix)]
-        if prefix == "output." and transformer.args.tie_embeddings:
+        if prefix == "output." and transformer.args.tie_embeddings and "tok_embeddings.weight" in mapped:
             names.append("tok_embeddings.weight")
         release_file_pages(mapped[n] for n in names)
     if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding

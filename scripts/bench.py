@@ -14,6 +14,12 @@ hold better than the absolute speed. Reported: decode tok/s (median; prefill exc
 token x tok/s as % of the memory bandwidth this script measures itself, the ratio of medians to the first row,
 and the range of the ratios turn by turn (how far the rows drift apart within the run).
 
+--random_weights CONFIG runs a model of that config.json's shapes with random weights (no checkpoint needed: a
+Llama-2-7B-shaped target on a GPU, say), on random prompts; its quant-MODE rows quantize it in memory and its
+spec-self-K / spec-MODE-K rows draft with a copy of it (every draft accepted: the verify cost v and the draft cost c
+are real); spec-random-K rows draft with a random model of --draft_config's shapes (c and v real, nothing accepted).
+--device cuda runs the rows on the GPU (the compiled steps with CUDA graphs). The GPU run: docs/cuda.md.
+
 --contended runs every turn twice, on the idle machine and beside a busy process (a Python busy loop, started for
 the turn and stopped after it), and reports both speeds side by side: what a shared machine does to each row.
 """
@@ -36,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
-from generate import DTYPES, Steps, generate, load_model, model_bytes_per_step, presize_caches  # noqa: E402
+import cpu  # noqa: E402
+import gpu  # noqa: E402
+from generate import (DTYPES, Steps, check_device, generate, load_model, model_bytes_per_step,  # noqa: E402
+                      presize_caches)
 from model import ModelArgs, Transformer  # noqa: E402
 from speculative import MAX_SPECULATE_K, ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -49,22 +58,29 @@ def humaneval_tasks(n: int | None = None) -> list[dict]:
         return [json.loads(line) for line in f][:n]
 
 
-def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5) -> float:
+def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5, device="cpu") -> float:
     """Read bandwidth: best of several full reductions over a buffer much larger than the caches."""
-    buffer = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    buffer = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32, device=device)
     buffer.sum()
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         t = time.perf_counter()
         buffer.sum()
+        synchronize(device)
         best = min(best, time.perf_counter() - t)
     return buffer.numel() * 4 / best / 1e9
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
     """Warm up (compiled: the compile) and return (seconds it took, run); run(i) generates for prompt i and
     returns (decode tok/s: emitted tokens after the first over the time after prefill, tokens, stats)."""
-    steps = Steps(compile=compiled)
+    steps = Steps(compile=compiled, device=model.tok_embeddings.weight.device)
     spec = dict(drafter=drafter, speculate_k=k)
     presize_caches(model, drafter, 1, max(map(len, prompts)), new_tokens, k)  # the compiled shapes are final
     t = time.perf_counter()
@@ -75,6 +91,30 @@ def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
         rows, stats = generate(model, [prompts[i]], new_tokens, steps, **spec)
         return (len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]), rows[0], stats
     return warmup_s, run
+
+
+def random_model(config, device, dtype, mode=None, backend="auto"):
+    """A model of config.json's shapes with random weights (seeded: every call gives the same model), quantized in
+    memory to mode, with the backend its device has."""
+    args = ModelArgs.from_config(config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(args).to(dtype).eval()
+    if mode:
+        quantize.quantize_model(model, mode)
+    if backend == "auto" and torch.device(device).type == "cpu":
+        cpu.apply(model)
+    elif backend == "auto" and torch.device(device).type == "cuda":
+        gpu.apply(model)
+    return model
+
+
+def load_row_model(opts, mode=None):
+    """The target (mode None) or its quantized copy, from the checkpoint or (--random_weights) made up."""
+    if opts.random_weights:
+        return random_model(opts.random_weights, opts.device, DTYPES[opts.dtype], mode, opts.backend)
+    path = quantized_path(opts.checkpoint_path, mode) if mode else opts.checkpoint_path
+    return load_model(path, opts.device, DTYPES[opts.dtype], backend=opts.backend)
 
 
 def quantized_path(checkpoint_path, mode):
@@ -97,12 +137,22 @@ def spec_k(row, default):
 
 def check_rows(rows, opts):
     """Every --rows entry is known and its files exist before anything loads."""
+    if bool(opts.checkpoint_path) == bool(opts.random_weights):
+        raise InputError("give --checkpoint_path or --random_weights CONFIG (one of them)")
+    check_device(opts.device)
+    if opts.random_weights:
+        ModelArgs.from_config(Path(opts.random_weights))
     for row in rows:
+        if opts.random_weights and row in ("hf", "llama.cpp"):
+            raise InputError(f"--rows {row}: needs real weights; drop it with --random_weights")
+        if opts.device != "cpu" and row == "llama.cpp":
+            raise InputError(f"--rows llama.cpp runs on the CPU; drop it with --device {opts.device}")
         if row.startswith("quant-"):
             if row[6:] not in quantize.MODES:
                 raise InputError(f"--rows {row}: unknown mode '{row[6:]}'; use quant-MODE with MODE one of "
                                  f"{', '.join(quantize.MODES)}")
-            quantized_path(opts.checkpoint_path, row[6:])
+            if not opts.random_weights:
+                quantized_path(opts.checkpoint_path, row[6:])
         elif row.startswith("spec-"):
             drafter, *k = row[5:].split("-", 1)
             if drafter not in DRAFTERS:
@@ -111,7 +161,7 @@ def check_rows(rows, opts):
             if k != "auto" and not (k.isdigit() and 1 <= int(k) <= MAX_SPECULATE_K):
                 raise InputError(f"--rows {row}: K '{k}' must be auto or an integer, at least 1 and at most "
                                  f"{MAX_SPECULATE_K}")
-            if drafter in quantize.MODES:
+            if drafter in quantize.MODES and not opts.random_weights:
                 quantized_path(opts.checkpoint_path, drafter)
         elif row == "llama.cpp" and not opts.gguf:
             raise InputError("--rows llama.cpp needs --gguf PATH")
@@ -120,18 +170,23 @@ def check_rows(rows, opts):
                              "spec-DRAFTER[-K]")
 
 
-def make_drafter(kind, checkpoint_path, dtype, vocab_size, compiled, backend):
+def make_drafter(kind, opts, vocab_size, compiled):
     if kind in quantize.MODES:  # a quantized copy of the target: lossless speculation without a second model
-        return ModelDrafter(load_model(quantized_path(checkpoint_path, kind), "cpu", dtype, backend=backend),
-                            compile=compiled)
+        return ModelDrafter(load_row_model(opts, kind), compile=compiled)
     if kind == "ngram":
         return NgramDrafter()
     if kind == "self":  # the target as its own draft: everything is accepted; measures the overhead
-        return ModelDrafter(load_model(checkpoint_path, "cpu", dtype, backend=backend), compile=compiled)
-    # random: a random-weight draft of the same vocabulary: almost nothing is accepted
+        return ModelDrafter(load_row_model(opts), compile=compiled)
+    # random: a random-weight draft of the same vocabulary (--draft_config's shapes): almost nothing is accepted,
+    # but the draft's cost c and the verify's v are real
     torch.manual_seed(0)
-    draft = Transformer(ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                  intermediate_size=128, max_seq_len=8192)).to(dtype).eval()
+    args = ModelArgs.from_config(opts.draft_config) if opts.draft_config else \
+        ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                  max_seq_len=8192)
+    if args.vocab_size != vocab_size:
+        raise InputError(f"{opts.draft_config}: vocab_size {args.vocab_size}, the target's is {vocab_size}")
+    with torch.device(opts.device):
+        draft = Transformer(args).to(DTYPES[opts.dtype]).eval()
     return ModelDrafter(draft, compile=compiled)
 
 
@@ -188,12 +243,11 @@ class BusyProcess:
 
 def set_up(rows, opts, model, prompts, step_bytes):
     """Per row: (name, bytes a step reads, warm-up seconds, run, whether compiled)."""
-    dtype = DTYPES[opts.dtype]
     setups = []
     for row in rows:
         row_bytes, compiled = step_bytes, True
         if row.startswith("quant-"):
-            quantized = load_model(quantized_path(opts.checkpoint_path, row[6:]), "cpu", dtype, backend=opts.backend)
+            quantized = load_row_model(opts, row[6:])
             row_bytes = model_bytes_per_step(quantized)
             warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
         elif row == "llama.cpp":
@@ -208,8 +262,7 @@ def set_up(rows, opts, model, prompts, step_bytes):
             compiled = False
         else:  # spec-DRAFTER[-K]
             compiled = not opts.eager_spec
-            drafter = make_drafter(row.split("-")[1], opts.checkpoint_path, dtype, model.args.vocab_size, compiled,
-                                   opts.backend)
+            drafter = make_drafter(row.split("-")[1], opts, model.args.vocab_size, compiled)
             warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
         name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
         setups.append((name, row_bytes, warm, run, compiled))
@@ -240,15 +293,15 @@ def report(setups, results, bandwidth, runs):
     rates = [[rate for rate, _, _ in row] for row in results]
     first = statistics.median(rates[0])
     # Each turn (a prompt and a run) times every row within seconds: its ratios show the drift the median hides.
-    print(f"| {'row':<24} | {'tok/s':>7} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
+    print(f"| {'row':<24} | {'tok/s':>7} | {'GB/s':>6} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
           f"{'compile s':>9} | same tokens |")
-    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
+    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 8}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
     spec_lines = []
     for j, (name, row_bytes, warm, _, compiled) in enumerate(setups):
         rate = statistics.median(rates[j])
         compile_s = f"{warm:.1f}" if compiled else "-"
         turns = [a / b for a, b in zip(rates[j], rates[0])]
-        print(f"| {name:<24} | {rate:7.2f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
+        print(f"| {name:<24} | {rate:7.2f} | {row_bytes * rate / 1e9:6.1f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
               f"{rate / first:7.2f}x | {f'{min(turns):.2f}-{max(turns):.2f}x':>11} | {compile_s:>9} | "
               f"{same_tokens(results, j, runs)}/{len(results[0]) // runs} |", flush=True)
         stats = [s for _, _, s in results[j]]
@@ -293,13 +346,22 @@ def bench(opts):
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
     torch.manual_seed(0)
-    model = load_model(opts.checkpoint_path, "cpu", DTYPES[opts.dtype], backend=opts.backend)
-    tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
-    prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
-    bandwidth = memory_bandwidth_gb_s()
+    model = load_row_model(opts)
+    if opts.random_weights:  # random prompts as long as HumanEval's first ones
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, model.args.vocab_size, ((125, 118, 81, 133, 194)[i % 5],), generator=g).tolist()
+                   for i in range(opts.num_prompts)]
+    else:
+        tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
+        prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
+    bandwidth = memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)
     step_bytes = model_bytes_per_step(model)
-    print(f"# {opts.checkpoint_path}, {opts.dtype}, {torch.get_num_threads()} threads, {len(prompts)} HumanEval "
-          f"prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
+    where = torch.cuda.get_device_name(opts.device) if opts.device.startswith("cuda") else \
+        f"{torch.get_num_threads()} threads"
+    print(f"# {opts.random_weights or opts.checkpoint_path}{' (random weights)' if opts.random_weights else ''}, "
+          f"{opts.dtype}, {where}, torch {torch.__version__}, {len(prompts)} "
+          f"{'random' if opts.random_weights else 'HumanEval'} prompts ({min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
           f"{opts.runs} runs each{', idle and beside a busy process' if opts.contended else ''}")
     print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
     ks = [spec_k(row, opts.speculate_k) for row in rows if row.startswith("spec-")]
@@ -316,7 +378,10 @@ def bench(opts):
 
 def main(argv=None):
     p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint_path", required=True)
+    p.add_argument("--checkpoint_path", help="the checkpoint (or give --random_weights)")
+    p.add_argument("--random_weights", metavar="CONFIG", help="a config.json: that model's shapes, random weights")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--draft_config", metavar="CONFIG", help="the shapes of the spec-random rows' draft (a config.json)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--num_prompts", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=128)

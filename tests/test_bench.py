@@ -22,3 +22,23 @@ def test_contended_reports_idle_and_busy_side_by_side(smollm2):
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert "idle tok/s" in table[0] and "busy tok/s" in table[0] and "busy / idle" in table[0]
     assert [line.split("|")[1].strip() for line in table[1:]] == ["ours, compiled", "spec-ngram-4"]
+
+
+def test_random_weights_need_no_checkpoint(tmp_path):
+    """--random_weights CONFIG: the shapes of a config.json with random weights, quantized in memory for quant-MODE
+    rows and copied for spec-self / spec-MODE drafts (every draft accepted: alpha 1)."""
+    import json
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(family="llama", vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      intermediate_size=256, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True,
+                                      max_seq_len=512, bos_token_id=1, eos_token_id=2, add_bos_token=False)))
+    result = cli("--random_weights", str(config), "--rows", "compiled,quant-int4,quant-mxfp6,spec-self-2",
+                 "--num_prompts", "1", "--runs", "1", "--max_new_tokens", "12", script="scripts/bench.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    tables = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [t[0].strip() for t in tables[:5]] == ["row", "ours, compiled", "quant-int4", "quant-mxfp6", "spec-self-2"]
+    assert "GB/s" in tables[0][2] and tables[6][2].strip() == "1.000"  # spec-self-2's alpha
+    for args, words in ((["--random_weights", str(config), "--rows", "compiled,hf"], ("--rows hf", "real weights")),
+                        (["--rows", "compiled"], ("--checkpoint_path or --random_weights",)),
+                        (["--random_weights", str(config), "--device", "cuda:7"], ("--device cuda:7", "not available"))):
+        assert_one_line_error(cli(*args, script="scripts/bench.py"), *words)

@@ -23,7 +23,7 @@ def test_readme_flags_exist():
 
 
 LIBRARY = ("checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "cpu",
-           "cpu.kernels", "cpu.modules", "cpu.threads")
+           "cpu.kernels", "cpu.modules", "cpu.threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 
 

@@ -1,0 +1,87 @@
+"""The CUDA backend: int4 layers on aten's tinygemm kernel, applied around model.py by generate.load_model (backend
+"auto" on a CUDA device), as tp.apply_tp is. (Named gpu.py: a module named cuda would shadow NVIDIA's cuda package,
+which torch imports.) UNVERIFIED ON HARDWARE: no GPU has run this file yet; tests/test_cuda.py is what a GPU session
+runs first.
+
+int8 and MX layers need no backend on CUDA: their reference forwards run inside the compiled step (int8 in the
+gpt-fast form, the codes cast inside the product). Int4Linear's on-disk layout is tinygemm's arithmetic, w = (q - 8) *
+scale + zero per group with scales_and_zeros [K/g, N, 2], so the backend only repacks the codes once at load (two
+codes per byte, the even one in the high nibble, then _convert_weight_to_int4pack) and multiplies with
+_weight_int4pack_mm: the weight is never dequantized. Inputs are rounded as the reference rounds them
+(quantize.round_activations), and each packed layer proves itself against the reference forward before it serves.
+"""
+import warnings
+
+import torch
+import torch.nn as nn
+
+import mx
+import quantize
+from checkpoint import InputError
+
+TOLERANCE = 0.01  # relative RMS against the reference forward, in bf16
+
+
+class TinyGemmInt4Linear(nn.Module):
+    def __init__(self, ref: quantize.Int4Linear):
+        super().__init__()
+        n, k = ref.weight.shape[0], ref.weight.shape[1] * 2
+        self.groupsize, self.in_features, self.bias = ref.groupsize, k, ref.bias
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        codes = mx.unpack(ref.weight, 4)  # [N, K], element 2i was the low nibble on disk
+        packed = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles))
+        self.register_buffer("scales_and_zeros", ref.scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.out_features = n
+
+    def forward(self, x):
+        rows = quantize.round_activations(x).reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.groupsize, self.scales_and_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def check_int4(model):
+    """One-line refusals where tinygemm cannot run: not bf16, an older GPU, or a shape it does not take."""
+    int4 = [(name, m) for name, m in model.named_modules() if type(m) is quantize.Int4Linear]
+    if not int4:
+        return []
+    major, minor = torch.cuda.get_device_capability(int4[0][1].weight.device)
+    if major < 8:
+        raise InputError(f"int4 on CUDA runs on aten's tinygemm kernel, which needs compute capability 8.0 or newer "
+                         f"(this GPU: {major}.{minor}); use int8 or an MX mode")
+    if model.tok_embeddings.weight.dtype != torch.bfloat16:
+        raise InputError("int4 on CUDA runs on aten's tinygemm kernel, which takes bf16 inputs; use --dtype bf16")
+    for name, m in int4:
+        k = m.weight.shape[1] * 2
+        if k % 32 or m.weight.shape[0] % 8:
+            raise InputError(f"{name}: in_features {k} / out_features {m.weight.shape[0]} do not fit tinygemm "
+                             "(multiples of 32 / 8); use int8 or an MX mode")
+    return int4
+
+
+def apply(model) -> bool:
+    """Swap the int4 layers of a CUDA model for tinygemm ones, each checked against its reference forward on random
+    inputs; on a mismatch, restore the reference and print one warning line. -> whether the backend serves."""
+    int4 = check_int4(model)
+    if not int4:
+        return False
+    g = torch.Generator(device=int4[0][1].weight.device).manual_seed(0)
+    swapped = []
+    for name, ref in int4:
+        fast = TinyGemmInt4Linear(ref)
+        x = torch.randn(3, ref.weight.shape[1] * 2, generator=g, device=ref.weight.device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            want, got = ref(x).float(), fast(x).float()
+        error = ((got - want).norm() / want.norm()).item()
+        if not error <= TOLERANCE:
+            for parent, child_name, original in swapped:
+                setattr(parent, child_name, original)
+            warnings.warn(f"gpu backend refused: {name} on tinygemm is {error:.1e} (relative RMS) from its reference "
+                          f"forward; int4 runs the reference", stacklevel=2)
+            return False
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child_name, fast)
+        swapped.append((parent, child_name, ref))
+    return True

@@ -56,6 +56,10 @@ def init_from_env(device: str):
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None, device
     if torch.device(device).type == "cuda":
+        processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+        if processes > gpus:
+            raise InputError(f"{processes} processes on this host (torchrun --nproc_per_node) but {gpus} GPUs; "
+                             f"launch at most {gpus}, one per GPU")
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=torch.device(device))

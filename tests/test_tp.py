@@ -163,3 +163,16 @@ def test_head_plan_duplicates_kv_heads_only_where_needed():
     assert tp.head_plan(6, 3, 0, 2) == (range(0, 3), [0, 0, 1])  # uneven grouping: one KV head per query head
     with pytest.raises(InputError, match="n_heads 9 does not split over 2 ranks"):
         tp.head_plan(9, 3, 0, 2)
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    """Checked before any CUDA call: on this CPU-only host every CUDA world is too large."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        pytest.skip(f"this host has {gpus} GPUs")
+    with pytest.raises(InputError, match=rf"^2 processes on this host \(torchrun --nproc_per_node\) but {gpus} GPUs; "
+                                         rf"launch at most {gpus}, one per GPU$"):
+        tp.init_from_env("cuda")
+

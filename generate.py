@@ -72,11 +72,18 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     if tp_group is not None:
         tp.apply_tp(model, tp_group)
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
-    if backend == "auto" and torch.device(device).type == "cpu":
-        cpu.apply(model, tensors)
-    elif backend == "auto" and torch.device(device).type == "cuda":
-        gpu.apply(model)
+    if backend == "auto":
+        apply_backend(model, tensors)
     return model.eval()
+
+
+def apply_backend(model, mapped=None):
+    """The backend of the model's device, around model.py: cpu/ on CPU, gpu.py on CUDA (each checks itself)."""
+    device = model.tok_embeddings.weight.device.type
+    if device == "cpu":
+        cpu.apply(model, mapped)
+    elif device == "cuda":
+        gpu.apply(model)
 
 
 def model_bytes_per_step(model: Transformer) -> int:

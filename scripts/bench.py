@@ -42,10 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
-import cpu  # noqa: E402
-import gpu  # noqa: E402
-from generate import (DTYPES, Steps, check_device, generate, load_model, model_bytes_per_step,  # noqa: E402
-                      presize_caches)
+from generate import (DTYPES, Steps, apply_backend, check_device, generate, load_model,  # noqa: E402
+                      model_bytes_per_step, presize_caches)
 from model import ModelArgs, Transformer  # noqa: E402
 from speculative import MAX_SPECULATE_K, ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -97,15 +95,18 @@ def random_model(config, device, dtype, mode=None, backend="auto"):
     """A model of config.json's shapes with random weights (seeded: every call gives the same model), quantized in
     memory to mode, with the backend its device has."""
     args = ModelArgs.from_config(config)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(args).to(dtype).eval()
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype).eval()  # never a float32 copy (27 GB for a 7B shape)
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1) if "norm" in name and name.endswith("weight") else p.normal_(0, 0.02, generator=g)
+    model.tie_weights()
     if mode:
         quantize.quantize_model(model, mode)
-    if backend == "auto" and torch.device(device).type == "cpu":
-        cpu.apply(model)
-    elif backend == "auto" and torch.device(device).type == "cuda":
-        gpu.apply(model)
+    if backend == "auto":
+        apply_backend(model)
     return model
 
 
@@ -140,8 +141,9 @@ def check_rows(rows, opts):
     if bool(opts.checkpoint_path) == bool(opts.random_weights):
         raise InputError("give --checkpoint_path or --random_weights CONFIG (one of them)")
     check_device(opts.device)
-    if opts.random_weights:
-        ModelArgs.from_config(Path(opts.random_weights))
+    for config in (opts.random_weights, opts.draft_config):
+        if config:
+            ModelArgs.from_config(Path(config))
     for row in rows:
         if opts.random_weights and row in ("hf", "llama.cpp"):
             raise InputError(f"--rows {row}: needs real weights; drop it with --random_weights")

@@ -300,10 +300,14 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="one JSON line: tokens, text and the acceptance metrics")
     opts = p.parse_args(argv)
     try:
+        if opts.max_new_tokens < 1:
+            raise InputError(f"--max_new_tokens {opts.max_new_tokens}: must be at least 1")
         target = ExportedModel(opts.target, "target", opts.runtime)
         draft = ExportedModel(opts.draft, "draft", opts.runtime)
         tokenizer = Tokenizer(opts.target)
         prompt = tokenizer.encode(opts.prompt)
+        if not prompt:
+            raise InputError("empty prompt: give at least one token")
         start = time.perf_counter()
         new, accepted = speculative_greedy(target, draft, prompt, opts.max_new_tokens)
         seconds = time.perf_counter() - start

@@ -40,5 +40,7 @@ def test_random_weights_need_no_checkpoint(tmp_path):
     assert "GB/s" in tables[0][2] and tables[6][2].strip() == "1.000"  # spec-self-2's alpha
     for args, words in ((["--random_weights", str(config), "--rows", "compiled,hf"], ("--rows hf", "real weights")),
                         (["--rows", "compiled"], ("--checkpoint_path or --random_weights",)),
+                        (["--random_weights", str(config), "--rows", "spec-random-2", "--draft_config",
+                          str(tmp_path / "nope.json")], ("nope.json", "not found")),
                         (["--random_weights", str(config), "--device", "cuda:7"], ("--device cuda:7", "not available"))):
         assert_one_line_error(cli(*args, script="scripts/bench.py"), *words)

@@ -202,11 +202,14 @@ def test_bad_input_gives_one_line_errors(codegen_exports, smollm2_exports, tmp_p
                                  "--output_dir", tmp_path / "x", *args], capture_output=True, text=True, cwd=ROOT,
                                 timeout=300)
         assert result.returncode != 0 and result.stderr.strip().splitlines() == [f"error: {message}"]
-    result = subprocess.run([sys.executable, "scripts/run_onnx.py", "--target", e["target"], "--draft", e["draft"],
-                             "--prompt", "x", "--runtime", "qaic"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode != 0 and result.stderr.strip().splitlines() == [
-        "error: the Cloud AI 100 runtime is not installed (QAicApi_pb2 not found in /opt/qti-aic/dev); run on a host "
-        "with the card's Platform and Apps SDKs, or use --runtime onnxruntime"]
+    for args, message in ((["--prompt", "x", "--runtime", "qaic"],
+                           "the Cloud AI 100 runtime is not installed (QAicApi_pb2 not found in /opt/qti-aic/dev); run "
+                           "on a host with the card's Platform and Apps SDKs, or use --runtime onnxruntime"),
+                          (["--prompt", ""], "empty prompt: give at least one token"),
+                          (["--prompt", "x", "--max_new_tokens", "0"], "--max_new_tokens 0: must be at least 1")):
+        result = subprocess.run([sys.executable, "scripts/run_onnx.py", "--target", e["target"], "--draft", e["draft"],
+                                 *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode != 0 and result.stderr.strip().splitlines() == [f"error: {message}"]
     target, drafter = run_onnx.ExportedModel(e["target"], "target"), run_onnx.ExportedModel(e["draft"], "draft")
     with pytest.raises(InputError, match=rf"ctx_len {CODEGEN_CTX} is smaller than prompt \(120\) \+ max_new_tokens "
                                          rf"\(20\) \+ speculate_k \({K}\) - 1 = 144; re-export with --ctx_len 144 or more"):
@@ -362,3 +365,21 @@ def test_specializations_never_repeat(tmp_path):
 def test_core_split():
     assert [export_qaic.core_split(text, role) for text, role in
             (("11/5", "target"), ("11/5", "draft"), ("16", "target"), ("8", "draft"))] == [11, 5, 16, 8]
+
+
+def test_an_edited_norm_or_attention_is_refused(monkeypatch):
+    """The export swaps model.py's norms and attention only after proving the swap computes what model.py does: a
+    fork that edits them (here Gemma's (1 + w) norm, and a softcapped attention) gets a one-line refusal."""
+    import model as model_lib
+    args = ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=128)
+    original = model_lib.RMSNorm.forward
+    monkeypatch.setattr(model_lib.RMSNorm, "forward", lambda self, x: original(self, x) + original(self, x) / self.weight)
+    with pytest.raises(InputError, match=r"^model.py's RMSNorm.forward differs from the export's float16-safe form"):
+        export_qaic.use_float16_safe_modules(Transformer(args))
+    monkeypatch.undo()
+    attend = model_lib.Attention.attend
+    monkeypatch.setattr(model_lib.Attention, "attend", lambda self, q, k, v, m, p: attend(self, 30 * torch.tanh(q / 30),
+                                                                                          k, v, m, p))
+    with pytest.raises(InputError, match=r"^model.py's Attention.attend differs"):
+        export_qaic.use_float16_safe_modules(Transformer(args))
+

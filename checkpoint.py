@@ -1,8 +1,8 @@
 """Checkpoint files: bad input as one line, config.json, resolving paths, the bounds-checked safetensors map, and
-writes that are never left half-done. What generate.py, quantize.py and the scripts share; imports nothing of
+writes that are never left half-done. What generate.py, quantize.py and the scripts share; imports only cli.py of
 this project.
 """
-import argparse
+import contextlib
 import ctypes
 import json
 import mmap
@@ -15,16 +15,7 @@ from pathlib import Path
 
 import torch
 
-
-class InputError(Exception):
-    """Bad input from the user (file, field, flag): reported as one line, without a traceback."""
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    """argparse whose errors are one line, as every other bad input's."""
-
-    def error(self, message):
-        sys.exit(f"error: {message} (see --help)")
+from cli import InputError, OneLineErrors  # noqa: F401 (re-exported: the library's error type)
 
 
 def read_config(path) -> dict:
@@ -135,3 +126,19 @@ def write_atomically(path: Path, write):
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def no_random_init():
+    """Build modules without their random init, for weights that a file replaces: on the meta device the first
+    init call imports torch's decompositions (~1 s of a fresh process's load). Not thread-safe: load one model at
+    a time."""
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in dir(init) if name.endswith("_") and not name.startswith("_")}
+    for name in saved:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(init, name, function)

@@ -2,6 +2,11 @@
 
     python generate.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --prompt "def fib(n):" --compile
 """
+import cli
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
 import argparse
 import dataclasses
 import functools
@@ -17,7 +22,7 @@ import cpu
 import gpu
 import quantize
 import tp
-from checkpoint import InputError, OneLineErrors, map_safetensors, resolve_checkpoint
+from checkpoint import InputError, OneLineErrors, map_safetensors, no_random_init, resolve_checkpoint
 from model import ModelArgs, Transformer
 from sampling import sample
 from speculative import MAX_SPECULATE_K, AdaptiveK, ModelDrafter, NgramDrafter, speculative_decode, verify
@@ -31,12 +36,16 @@ CACHE_ROUNDING = 256  # cache lengths are rounded up so that nearby requests reu
 
 # ---------------------------------------------------------------- loading
 
-def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=None, backend="auto") -> Transformer:
+def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=None, backend="auto",
+               phases=None) -> Transformer:
     """Build on the meta device, then assign the mapped tensors: the weights are never held twice.
     A file written by quantize.py carries its mode in the metadata and gets quantized modules.
     With a process group (torchrun), tp.py slices the mapped tensors first, so each rank copies only its shard.
     backend "auto": on CPU the CPU backend serves the model where it proves to compute what model.py does (cpu/),
-    on CUDA int4 layers run on tinygemm (gpu.py); "torch": model.py alone."""
+    on CUDA int4 layers run on tinygemm (gpu.py); "torch": model.py alone. `phases`: a dict that gets the seconds
+    each part of the load took."""
+    phases = {} if phases is None else phases
+    start = time.perf_counter()
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend}: unknown; use {' or '.join(BACKENDS)}")
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
@@ -51,7 +60,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
             raise InputError(f"{weights_path}: groupsize '{groupsize}' in the metadata is not one of "
                              f"{quantize.INT4_GROUPSIZES}; re-run quantize.py")
         args = dataclasses.replace(args, tie_embeddings=False)  # quantize.py stores its own LM head
-    with torch.device("meta"):
+    with torch.device("meta"), no_random_init():
         model = Transformer(args)
         if mode:
             quantize.replace_linears(model, mode, int(groupsize) if mode == "int4" else 32)
@@ -69,19 +78,22 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         raise InputError(f"{weights_path}: unexpected tensor '{unexpected[0]}' (does config.json match?)")
     model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=False)
     model.tie_weights()
+    phases["map and build"] = time.perf_counter() - start
+    start = time.perf_counter()
     if tp_group is not None:
         tp.apply_tp(model, tp_group)
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
+    phases["shard and cast"] = time.perf_counter() - start
     if backend == "auto":
-        apply_backend(model, tensors)
+        apply_backend(model, tensors, phases)
     return model.eval()
 
 
-def apply_backend(model, mapped=None):
+def apply_backend(model, mapped=None, phases=None):
     """The backend of the model's device, around model.py: cpu/ on CPU, gpu.py on CUDA (each checks itself)."""
     device = model.tok_embeddings.weight.device.type
     if device == "cpu":
-        cpu.apply(model, mapped)
+        cpu.apply(model, mapped, phases)
     elif device == "cuda":
         gpu.apply(model)
 
@@ -339,21 +351,23 @@ def build_parser():
     p = OneLineErrors(description="Generate text from a converted checkpoint.")
     p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
     p.add_argument("--prompt", default="Hello, my name is", help="text, or an integer for a synthetic prompt")
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="generation also stops at EOS")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=200)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens")
+    p.add_argument("--top_p", type=float, default=None, help="sample within this probability mass")
+    p.add_argument("--num_samples", type=int, default=1, help="samples run one after another")
     p.add_argument("--batch_size", type=int, default=1, help="the prompt is repeated in each batch row")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="sampling and synthetic prompts")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode and verify steps (with the CPU "
                    "backend a Llama-family model's steps are one few_rows.cpp call and need none)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
     p.add_argument("--backend", default="auto", help="auto (default): on CPU the few_rows.cpp kernels serve the "
                    "model where they prove to compute what model.py computes; torch: model.py's PyTorch alone")
-    p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming")
+    p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming (with "
+                   "the load's time and phases)")
+    p.add_argument("--verbose", action="store_true", help="say what loading took, phase by phase")
     p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
     p.add_argument("--draft", choices=["model", "ngram"], default=None,
                    help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
@@ -382,50 +396,97 @@ def check_options(opts):
         raise InputError("--draft model needs --draft_checkpoint PATH")
     if opts.draft == "ngram" and opts.draft_checkpoint:
         raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
+    if not 0 <= opts.seed < 2**64:
+        raise InputError(f"--seed {opts.seed}: must be between 0 and 2**64 - 1")
     check_device(opts.device)
 
 
 def check_device(device):
+    """cpu or cuda[:N], and present."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise InputError(f"--device {device}: not supported; use cpu or cuda")
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
-        raise InputError(f"--device {device}: not available ({str(e).splitlines()[0]})") from None
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(f"--device {device}: not available ({reason[:160]})") from None
 
 
-def make_drafter(opts, tokenizer, dtype, target_args, device):
-    """The drafter named by the flags, or None. A draft model must share the target's tokenizer."""
+def check_draft(opts, tokenizer, target_args) -> ModelArgs | None:
+    """The draft checkpoint's files, tokenizer and vocabulary, before any model is loaded: its config, or None."""
+    if not opts.draft_checkpoint:
+        return None
+    try:
+        draft_dir, _ = resolve_checkpoint(opts.draft_checkpoint)
+    except InputError as e:
+        raise InputError(f"--draft_checkpoint {opts.draft_checkpoint}: {e}") from None
+    draft_tokenizer = Tokenizer(draft_dir)
+    if not tokenizer.same_vocabulary(draft_tokenizer):
+        raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
+                         f"({tokenizer.path}); speculation needs the same vocabulary")
+    draft_args = ModelArgs.from_config(draft_dir / "config.json")
+    if draft_args.vocab_size != target_args.vocab_size:
+        raise InputError(f"{draft_dir / 'config.json'}: vocab_size {draft_args.vocab_size} differs from the "
+                         f"target's {target_args.vocab_size}; speculation needs the same vocabulary")
+    return draft_args
+
+
+def make_drafter(opts, dtype, device, phases=None):
+    """The drafter named by the flags (checked first by check_draft), or None."""
     kind = opts.draft or ("model" if opts.draft_checkpoint else None)
     if kind == "ngram":
         return NgramDrafter()
     if kind is None:
         return None
-    draft_dir, _ = resolve_checkpoint(opts.draft_checkpoint)
-    draft_tokenizer = Tokenizer(draft_dir)
-    if not tokenizer.same_vocabulary(draft_tokenizer):
-        raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
-                         f"({tokenizer.path}); speculation needs the same vocabulary")
-    draft = load_model(opts.draft_checkpoint, device, dtype, backend=opts.backend)  # replicated under TP: tp.py
-    if draft.args.vocab_size != target_args.vocab_size:
-        raise InputError(f"{draft_dir / 'config.json'}: vocab_size {draft.args.vocab_size} differs from the "
-                         f"target's {target_args.vocab_size}; speculation needs the same vocabulary")
+    draft = load_model(opts.draft_checkpoint, device, dtype, backend=opts.backend, phases=phases)  # replicated: tp.py
     return ModelDrafter(draft, compile=opts.compile)
 
 
-def run(opts):
+def check_request(opts):
+    """Every check that needs no model: flags, files, tokenizers, the prompt against the target's and the draft's
+    context. Returns (checkpoint directory, tokenizer, prompt)."""
     check_options(opts)
-    torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
+    args = ModelArgs.from_config(ckpt_dir / "config.json")
     tokenizer = Tokenizer(ckpt_dir)
+    prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
+    if not prompt:
+        raise InputError(f"--prompt {opts.prompt!r}: no tokens; give text or a number of tokens >= 1")
+    draft_args = check_draft(opts, tokenizer, args)
+    spare = spare_positions(opts.draft_checkpoint or opts.draft == "ngram", opts.speculate_k)
+    for model_args in (args, draft_args) if draft_args else (args,):
+        cache_length(len(prompt), opts.max_new_tokens, model_args, spare)
+    return ckpt_dir, tokenizer, prompt
+
+
+def say_phases(name, seconds, phases):
+    print(f"{name} in {seconds:.2f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), file=sys.stderr)
+
+
+def run(opts):
+    ckpt_dir, tokenizer, prompt = check_request(opts)
+    torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     group, device = tp.init_from_env(opts.device)
     rank0 = tp.is_rank0()  # only rank 0 prints
     t = time.perf_counter()
-    model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group, backend=opts.backend)
+    load_phases, draft_phases = {}, {}
+    model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group, backend=opts.backend,
+                       phases=load_phases)
     load_s = time.perf_counter() - t
-    prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
     prompts = [prompt] * opts.batch_size
     steps = Steps(opts.compile, opts.compile_prefill, device)
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
-    drafter = make_drafter(opts, tokenizer, DTYPES[opts.dtype], model.args, device)
+    t = time.perf_counter()
+    drafter = make_drafter(opts, DTYPES[opts.dtype], device, draft_phases)
+    draft_load_s = time.perf_counter() - t if draft_phases else 0.0
+    if opts.verbose and rank0:
+        say_phases(f"loaded {ckpt_dir}", load_s, load_phases)
+        if draft_phases:
+            say_phases(f"loaded the draft {opts.draft_checkpoint}", draft_load_s, draft_phases)
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
     presize_caches(model, drafter, len(prompts), len(prompt), opts.max_new_tokens, opts.speculate_k)
@@ -436,12 +497,17 @@ def run(opts):
     if group is not None:
         held = [None] * dist.get_world_size(group)
         dist.all_gather_object(held, tp.weight_bytes(model), group=group)
-    if rank0 and not opts.json:
-        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", compiled in {compile_s:.1f} s" if compile_s else ""),
-              file=sys.stderr)
+    if rank0 and not opts.json and not opts.verbose:
+        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", the draft in {draft_load_s:.2f} s" if draft_phases
+                                                           else "")
+              + (f", compiled in {compile_s:.1f} s" if compile_s else ""), file=sys.stderr)
         if group is not None:
             print(f"tensor parallel over {len(held)} ranks ({dist.get_backend(group)}): weights held per rank "
                   f"{', '.join(f'{b / 1e6:.1f}' for b in held)} MB", file=sys.stderr)
+    load = dict(load_s=round(load_s, 3), load_phases={k: round(v, 3) for k, v in load_phases.items()})
+    if draft_phases:
+        load.update(draft_load_s=round(draft_load_s, 3),
+                    draft_load_phases={k: round(v, 3) for k, v in draft_phases.items()})
     step_bytes = model_bytes_per_step(model)
     for sample_idx in range(opts.num_samples):
         stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json and rank0 else None
@@ -466,7 +532,8 @@ def run(opts):
                           text=tokenizer.decode([t for t in row if t not in tokenizer.eos_ids]),
                           tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
                           prefill_s=round(stats["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
-                          compile_s=round(compile_s, 2), batch_size=opts.batch_size, threads=stats["threads"], **spec)
+                          compile_s=round(compile_s, 2), batch_size=opts.batch_size, threads=stats["threads"], **spec,
+                          **load)
             if not rank0:
                 continue
             if opts.json:
@@ -486,6 +553,7 @@ def run(opts):
 
 
 def main(argv=None):
+    cli.raise_interrupts()
     opts = build_parser().parse_args(argv)
     error = None
     try:

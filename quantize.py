@@ -7,8 +7,12 @@ stays 16-bit: a decode step reads one row of it).
 Each module keeps its on-disk layout and has one forward in plain PyTorch, valid on any device: the reference.
 The CPU backend (cpu/) serves them with few_rows.cpp and layouts of its own, built at load from these.
 """
+import cli
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -246,6 +250,8 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
     if metadata.get("quantization"):
         raise InputError(f"{weights_path}: already quantized ({metadata['quantization']}); quantize the "
                          "full-precision model.safetensors instead")
+    output = cli.check_output_file(output or ckpt_dir / f"model.{mode}.safetensors", [weights_path],
+                                   written_by_quantize)
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:
@@ -262,7 +268,6 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
             out.update({f"{module}.{key}": t.contiguous() for key, t in quantize_tensor(mode, w, groupsize, rule).items()})
         else:  # embeddings, norms, biases: 16-bit
             out[name] = w.to(torch.bfloat16).contiguous()
-    output = Path(output) if output else ckpt_dir / f"model.{mode}.safetensors"
     meta = {"quantization": mode, "groupsize": str(groupsize if mode == "int4" else block_of(mode, groupsize)),
             "source": weights_path.name}
     if mode in MX_MODES:
@@ -270,6 +275,14 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
     from safetensors.torch import save_file
     write_atomically(output, lambda tmp: save_file(out, str(tmp), metadata=meta))
     return output
+
+
+def written_by_quantize(path) -> bool:
+    """Whether a file is a previous output of quantize.py (a safetensors file with a quantization in its metadata)."""
+    try:
+        return "quantization" in map_safetensors(path)[1]
+    except InputError:
+        return False
 
 
 def main(argv=None):
@@ -281,20 +294,16 @@ def main(argv=None):
     parser.add_argument("--mx_scale_rule", choices=("rceil", "floor"), default=None,
                         help="MX scale rule (default: the one measured better for the element format, see mx.py)")
     parser.add_argument("--output", help="output file (default: CKPT/model.MODE.safetensors)")
-    args = parser.parse_args(argv)
-    try:
-        if args.groupsize is not None and args.mode != "int4":
-            raise InputError(f"--groupsize applies to int4 only; drop it for --mode {args.mode}")
-        if args.mx_scale_rule is not None and args.mode not in MX_MODES:
-            raise InputError(f"--mx_scale_rule applies to the MX modes only; drop it for --mode {args.mode}")
-        path = quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize or 32, args.mx_scale_rule,
-                                   args.output)
-    except InputError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written", file=sys.stderr)
-        sys.exit(130)
+    path = cli.run(quantize_flags, parser.parse_args(argv), on_interrupt="interrupted; nothing was written")
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+def quantize_flags(args) -> Path:
+    if args.groupsize is not None and args.mode != "int4":
+        raise InputError(f"--groupsize applies to int4 only; drop it for --mode {args.mode}")
+    if args.mx_scale_rule is not None and args.mode not in MX_MODES:
+        raise InputError(f"--mx_scale_rule applies to the MX modes only; drop it for --mode {args.mode}")
+    return quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize or 32, args.mx_scale_rule, args.output)
 
 
 if __name__ == "__main__":

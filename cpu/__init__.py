@@ -19,8 +19,12 @@ import ast
 import dataclasses
 import hashlib
 import inspect
+import json
+import os
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -161,10 +165,13 @@ def rounds_inputs(module) -> bool:
     return type(module).__name__ == "Int4Linear" or getattr(module, "table", None) is not None
 
 
-def apply(transformer, mapped=None) -> bool:
+def apply(transformer, mapped=None, phases=None) -> bool:
     """Serve a loaded model's CPU steps with few_rows.cpp after checking them against model.py; False where it does
     not serve (with one warning line where it refused). `mapped`: the model's tensors as mapped from its file,
-    whose pages each layer gives back once its weights are copied."""
+    whose pages each layer gives back once its weights are copied. The canary's verdict is remembered per
+    (weights, code, CPU, torch) (see verdict_key), so only a model's first load pays for it. `phases`: a dict
+    that gets the seconds each part took."""
+    phases = {} if phases is None else phases
     products = [m for m in transformer.modules() if type(m) in PRODUCTS and served(m)]
     if transformer.tok_embeddings.weight.device.type != "cpu" or not products:
         return False  # an fp16 model, say: nothing here multiplies fp16 weights
@@ -172,17 +179,53 @@ def apply(transformer, mapped=None) -> bool:
     if reason:
         warn(reason)
         return False
+    start = time.perf_counter()
     if not kernels.load():
         return False
+    phases["kernels"] = time.perf_counter() - start
+    start = time.perf_counter()
+    key = verdict_key(transformer)
+    known = remembered(key)
+    phases["verdict lookup"] = time.perf_counter() - start
+    mapped = mapped or {}
+    if known is not None:
+        if known["reason"]:
+            warn(known["reason"] + " (remembered from its check; any edit to the code checks again)")
+            return False
+        start = time.perf_counter()
+        release_file_pages(mapped.values())
+        serve(transformer, products, mapped)
+        phases["serve"] = time.perf_counter() - start
+        return True
+    print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
+          "torch)...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        reason = check_and_serve(transformer, products, mapped, phases)
+    except BaseException:
+        print(" interrupted", file=sys.stderr)
+        raise
+    phases["check"] = time.perf_counter() - start - phases.get("serve", 0.0)
+    print(f" {'refused' if reason else 'serves'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    remember(key, reason)
+    if reason:
+        warn(reason)
+    return reason is None
+
+
+def check_and_serve(transformer, products, mapped, phases) -> str | None:
+    """The canary: model.py in PyTorch, then served (model.py's forward around the products and attention, and the
+    one-call step). None where the backend serves; else why not, with the model put back on model.py's modules."""
     transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
     with torch.no_grad():
         prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
         transformer(prompt, torch.arange(12).expand(2, 12), torch.tensor([[11], [11]]))
     state = [t.clone() for t in caches(transformer)]
     expected = canary(transformer, transformer, state)
-    mapped = mapped or {}
     release_file_pages(mapped.values())  # serve reads each layer again, and gives its pages back after
+    start = time.perf_counter()
     originals = serve(transformer, products, mapped)
+    phases["serve"] = time.perf_counter() - start
     around = canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state)
     if isinstance(transformer.forward, OneCallStep):
         one_call = canary(transformer, transformer, state)
@@ -194,15 +237,94 @@ def apply(transformer, mapped=None) -> bool:
             off, bound = largest(around, one_call), ONE_CALL_FP32
         if off > bound:
             restore(transformer, originals)
-            warn(f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g}; did model.py's "
-                 "math change?)")
-            return False
+            return (f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g}; did model.py's "
+                    "math change?)")
     off = rms(expected, around)
     if off > TOLERANCE:
         restore(transformer, originals)
-        warn(f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {TOLERANCE})")
-        return False
-    return True
+        return f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {TOLERANCE})"
+    return None
+
+
+# ---------------------------------------------------------------- the remembered verdict
+
+# The modules whose code the verdict depends on: model.py's math, the quantized forms, the backend itself.
+CODE_MODULES = ("model", "quantize", "mx", "tp", "cpu", "cpu.modules", "cpu.kernels", "cpu.threads")
+
+
+def verdict_key(transformer) -> str:
+    """What the canary's verdict depends on, hashed: the code as it runs (the bytecode of every function and method
+    of CODE_MODULES and of the model's module types, so a fork's edit or a monkeypatch checks again), the
+    kernels' build (source, flags, torch, CPU), the config, every tensor's name, shape and dtype and a sample of
+    its bytes (its first, middle and last 4 KiB: a re-quantized or re-converted file checks again), the
+    backend's bounds and fingerprints."""
+    digest = hashlib.sha256()
+    functions = []
+    for name in CODE_MODULES:
+        for value in vars(sys.modules[name]).values():
+            if inspect.isfunction(value) and value.__module__ == name:
+                functions.append(value)
+            elif inspect.isclass(value) and value.__module__ == name:
+                functions += [f for f in vars(value).values() if inspect.isfunction(f)]
+    for kind in sorted({type(m) for m in transformer.modules()}, key=lambda k: f"{k.__module__}.{k.__qualname__}"):
+        for klass in kind.__mro__:
+            if klass.__module__.split(".")[0] != "torch":
+                functions += [f for f in vars(klass).values() if inspect.isfunction(f)]
+    for function in functions:
+        digest.update(code_bytes(function.__code__))
+    digest.update(repr((kernels.build_name(kernels.SOURCE.read_text(), "native"), torch.__version__, sys.version,
+                        dataclasses.asdict(transformer.args), REPLACED, ONE_CALL, TOLERANCE, ONE_CALL_FP32,
+                        TOKENS)).encode())
+    seen = set()
+    for name, t in list(transformer.named_parameters()) + list(transformer.named_buffers()):
+        digest.update(f"{name} {list(t.shape)} {t.dtype}".encode())
+        if t.data_ptr() in seen or t.numel() == 0 or name.endswith(("k_cache", "v_cache")):
+            continue
+        seen.add(t.data_ptr())
+        flat = t.detach().reshape(-1)
+        n = max(1, 4096 // t.element_size())
+        for at in (0, max(0, flat.numel() // 2 - n // 2), max(0, flat.numel() - n)):
+            digest.update(flat[at:at + n].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def code_bytes(code) -> bytes:
+    """A function's code as it computes: instructions, names and constants (nested functions included), without
+    line numbers, so moving or commenting code keeps its verdict."""
+    parts = [code.co_code, repr(code.co_names).encode()]
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            parts.append(code_bytes(const))
+        else:  # a frozenset's order follows the process's string hashing
+            parts.append(repr(sorted(map(repr, const)) if isinstance(const, frozenset) else const).encode())
+    return b"\0".join(parts)
+
+
+def verdict_dir() -> Path:
+    """FASTDECODE_CACHE, else $XDG_CACHE_HOME/fastdecode, else ~/.cache/fastdecode; verdicts/ in it."""
+    root = os.environ.get("FASTDECODE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "fastdecode"
+    return Path(root) / "verdicts"
+
+
+def remembered(key) -> dict | None:
+    try:
+        verdict = json.loads((verdict_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if isinstance(verdict, dict) and "reason" in verdict else None
+
+
+def remember(key, reason):
+    """Keep a verdict (written aside and renamed; a cache that cannot be written only costs the next check)."""
+    try:
+        directory = verdict_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"reason": reason, "torch": torch.__version__}) + "\n")
+        os.replace(tmp, directory / f"{key}.json")
+    except OSError:
+        pass
 
 
 def serve(transformer, products, mapped) -> list:

@@ -1,8 +1,11 @@
-"""few_rows.cpp: built for this CPU at first use, cached under a name made from its source, and its ops."""
+"""few_rows.cpp: built for this CPU at first use, cached under a name made from what made it, and its ops."""
+import contextlib
 import hashlib
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,34 +31,106 @@ def cpu_features() -> str:
 
 
 def build_name(source: str, march: str) -> str:
-    """The build's name, a hash of what made it (source, flags, torch, CPU features): a build from other sources
-    is never loaded, and two checkouts or versions of this project on one machine keep a build each instead of
-    rebuilding each other's under one name."""
-    made_of = "\0".join([source, march, torch.__version__, sys.version, cpu_features() if march == "native" else ""])
+    """The build's name, a hash of what made it (source, flags, the torch install and Python it links against, CPU
+    features): a build from other sources or for another interpreter is never loaded."""
+    made_of = "\0".join([source, march, torch.__version__, str(Path(torch.__file__).resolve()), sys.version,
+                         cpu_features() if march == "native" else ""])
     return "few_rows_" + hashlib.sha256(made_of.encode()).hexdigest()[:16]
 
 
+def build_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+LOCK_WAIT_S = float(os.environ.get("FEW_ROWS_LOCK_WAIT_S", 900))  # then build beside the holder, not wait forever
+
+
 def build(march: str = "native"):
-    """Build few_rows.cpp for `march` (once per source: torch caches it under TORCH_EXTENSIONS_DIR, by default
-    ~/.cache/torch_extensions) and load its ops; the first build says so on stderr, with the time it took."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    """Load few_rows.cpp's ops built for `march`, building them first if no process has (the library is kept as
+    BUILD_ROOT/NAME.so, ~/.cache/torch_extensions by default). A build runs in a directory of its own and renames
+    its library into place, so checkouts and interpreters never rebuild each other's, a reader never loads half a
+    library, and a killed build leaves nothing that blocks the next (its lock is an flock, released at exit)."""
     name = build_name(SOURCE.read_text(), march)
-    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-    directory.mkdir(parents=True, exist_ok=True)
-    fresh = not (directory / f"{name}.so").is_file()
-    if fresh:
-        print(f"building few_rows.cpp for this CPU (-march={march}, once per source)...", end="", file=sys.stderr,
-              flush=True)
+    root = build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    library = root / f"{name}.so"
+    if not library.is_file():
+        with build_lock(root / f"{name}.lock"):
+            if not library.is_file():
+                return compile_and_load(name, march, library)
+    torch.ops.load_library(str(library))
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """One build of a library at a time; waits (saying for whom) at most LOCK_WAIT_S."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: builds are still atomic, only not deduplicated
+        yield
+        return
+    with open(path, "a+") as f:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    f.seek(0)
+                    holder = f.read().strip() or "another process"
+                    print(f"waiting for {holder}'s build of few_rows.cpp (lock {path}; at most {LOCK_WAIT_S:.0f} s)",
+                          file=sys.stderr, flush=True)
+                    said = True
+                if time.monotonic() - start > LOCK_WAIT_S:
+                    print(f"few_rows.cpp: {path} still locked after {LOCK_WAIT_S:.0f} s; building separately",
+                          file=sys.stderr, flush=True)
+                    yield
+                    return
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(f"process {os.getpid()}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compile_and_load(name: str, march: str, library: Path):
+    """Build in a directory of this process's, load, and rename the library into place; says so on stderr."""
+    from torch.utils.cpp_extension import load
+    root = library.parent
+    for stale in root.glob(f"{name}.build-*"):  # left by a killed build (the lock is ours: no live build uses it)
+        pid = stale.name.split("-")[-2] if stale.name.count("-") >= 2 else ""
+        if not (pid.isdigit() and alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.build-{os.getpid()}-", dir=root))
+    print(f"building few_rows.cpp for this CPU (-march={march}; once per source, flags, torch and CPU)...", end="",
+          file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        load(name=name, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
+        load(name=name, sources=[str(SOURCE)], build_directory=str(work), is_python_module=False,
              extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        os.replace(work / f"{name}.so", library)
     except BaseException:
-        if fresh:
-            print(" failed", file=sys.stderr)
+        print(" failed", file=sys.stderr)
         raise
-    if fresh:
-        print(f" done in {time.perf_counter() - start:.0f} s, cached in {directory}", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f" done in {time.perf_counter() - start:.0f} s: {library}", file=sys.stderr)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load() -> bool:

@@ -23,21 +23,26 @@ are real); spec-random-K rows draft with a random model of --draft_config's shap
 --contended runs every turn twice, on the idle machine and beside a busy process (a Python busy loop, started for
 the turn and stopped after it), and reports both speeds side by side: what a shared machine does to each row.
 """
-import argparse
-import contextlib
-import gzip
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
+import contextlib  # noqa: E402
+import gzip  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
@@ -140,6 +145,13 @@ def check_rows(rows, opts):
     """Every --rows entry is known and its files exist before anything loads."""
     if bool(opts.checkpoint_path) == bool(opts.random_weights):
         raise InputError("give --checkpoint_path or --random_weights CONFIG (one of them)")
+    for name in ("num_prompts", "runs", "max_new_tokens"):
+        if getattr(opts, name) < 1:
+            raise InputError(f"--{name} {getattr(opts, name)}: must be at least 1")
+    if not opts.random_weights and opts.num_prompts > 164:
+        raise InputError(f"--num_prompts {opts.num_prompts}: HumanEval has 164 prompts")
+    if opts.gguf and not Path(opts.gguf).is_file():
+        raise InputError(f"--gguf {opts.gguf}: not found")
     check_device(opts.device)
     for config in (opts.random_weights, opts.draft_config):
         if config:
@@ -234,7 +246,9 @@ class BusyProcess:
     """A Python busy loop in another process while the context lasts: another program keeping one core busy."""
 
     def __enter__(self):
-        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        # it spins until its parent is gone: a killed bench leaves no busy loop behind
+        spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(10**6): pass"
+        self.process = subprocess.Popen([sys.executable, "-c", spin])
         time.sleep(0.3)  # started and spinning
         return self
 
@@ -379,7 +393,7 @@ def bench(opts):
 
 
 def main(argv=None):
-    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(description=__doc__)
     p.add_argument("--checkpoint_path", help="the checkpoint (or give --random_weights)")
     p.add_argument("--random_weights", metavar="CONFIG", help="a config.json: that model's shapes, random weights")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -400,14 +414,7 @@ def main(argv=None):
                    help="auto: the CPU backend where it serves (as generate.py); torch: model.py alone")
     p.add_argument("--contended", action="store_true",
                    help="time every row idle and beside a busy process, and report both")
-    opts = p.parse_args(argv)
-    try:
-        bench(opts)
-    except InputError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    cli.run(bench, p.parse_args(argv))
 
 
 if __name__ == "__main__":

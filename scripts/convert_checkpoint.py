@@ -6,18 +6,25 @@ OUT receives config.json (ModelArgs fields plus tokenizer ids), model.safetensor
 (tokenizer.json or tokenizer.model). Every file is written to a temporary name and renamed, the config last,
 so a directory with a config.json is always complete.
 """
-import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import InputError, write_atomically  # noqa: E402
+import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from checkpoint import InputError, OneLineErrors, write_atomically  # noqa: E402
 from model import ModelArgs  # noqa: E402
+
+TOOL = "scripts/convert_checkpoint.py"
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 # Our name for each per-layer Hugging Face tensor of the Llama family.
@@ -34,39 +41,53 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def require(config: dict, key: str, source):
-    if key not in config:
-        raise InputError(f"{source}: missing field '{key}'")
-    return config[key]
+REQUIRED = object()
+
+
+def require(config: dict, key: str, source, kind=int, default=REQUIRED):
+    """config[key], of type kind (int: not a bool; float: an int too); default where it is absent or null."""
+    value = config.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise InputError(f"{source}: missing field '{key}'; this is not a complete Hugging Face config")
+        return default
+    kinds = (int, float) if kind is float else (kind,)
+    if not isinstance(value, kinds) or (kind in (int, float) and isinstance(value, bool)):
+        expected = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
+        raise InputError(f"{source}: field '{key}' is {value!r}, not {expected}; fix the config")
+    return value
 
 
 # ---------------------------------------------------------------- Hugging Face directories
 
 def hf_model_args(config: dict, source) -> dict:
-    kind = require(config, "model_type", source)
+    kind = require(config, "model_type", source, str)
     if kind in LLAMA_LIKE:
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if not isinstance(rope, dict):
+            raise InputError(f"{source}: field 'rope_scaling' is {rope!r}, not an object; fix the config")
+        theta = require(config, "rope_theta", source, float, require(rope, "rope_theta", source, float, 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type")) == "llama3" else None
         n_heads = require(config, "num_attention_heads", source)
         return dict(
             family="llama", vocab_size=require(config, "vocab_size", source),
             dim=require(config, "hidden_size", source), n_layers=require(config, "num_hidden_layers", source),
-            n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            n_heads=n_heads, n_kv_heads=require(config, "num_key_value_heads", source, int, n_heads),
             intermediate_size=require(config, "intermediate_size", source),
-            norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_seq_len=config.get("max_position_embeddings", 2048))
+            norm_eps=require(config, "rms_norm_eps", source, float, 1e-6), rope_theta=theta, rope_scaling=scaling,
+            qkv_bias=kind == "qwen2" or require(config, "attention_bias", source, bool, False),
+            tie_embeddings=require(config, "tie_word_embeddings", source, bool, False),
+            max_seq_len=require(config, "max_position_embeddings", source, int, 2048))
     if kind == "codegen":
         dim = require(config, "n_embd", source)
         n_heads = require(config, "n_head", source)
         return dict(
             family="codegen", vocab_size=require(config, "vocab_size", source), dim=dim,
             n_layers=require(config, "n_layer", source), n_heads=n_heads, n_kv_heads=n_heads,
-            intermediate_size=config.get("n_inner") or 4 * dim, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-            rope_theta=10000.0, rotary_dim=config.get("rotary_dim"), tie_embeddings=False,
-            max_seq_len=config.get("n_positions", 2048))
+            intermediate_size=require(config, "n_inner", source, int, 4 * dim),
+            norm_eps=require(config, "layer_norm_epsilon", source, float, 1e-5),
+            rope_theta=10000.0, rotary_dim=require(config, "rotary_dim", source, int, None), tie_embeddings=False,
+            max_seq_len=require(config, "n_positions", source, int, 2048))
     raise InputError(f"{source}: model_type '{kind}' is not supported; supported: {', '.join(LLAMA_LIKE)}, codegen")
 
 
@@ -257,7 +278,12 @@ def convert_hf(source: Path):
     config_path = source / "config.json"
     if not config_path.is_file():
         raise InputError(f"{config_path}: not found; --source must be a Hugging Face model directory or a .gguf file")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{config_path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{config_path}: not a JSON object")
     args = hf_model_args(config, config_path)
     weights = from_hf_state_dict(read_hf_weights(source), args)
     tokenizer_files = [source / n for n in ("tokenizer.json", "tokenizer.model") if (source / n).is_file()]
@@ -352,6 +378,9 @@ def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, 
     from safetensors.torch import save_file
     ModelArgs(**args)  # validate before writing anything
     output_dir.mkdir(parents=True, exist_ok=True)
+    names = ["config.json", "model.safetensors"] + [t.name if isinstance(t, Path) else "tokenizer.json"
+                                                    for t in tokenizers]
+    cli.write_mark(output_dir, TOOL, names)  # first: a later run may replace these files, and only these
     config_path = output_dir / "config.json"
     config_path.unlink(missing_ok=True)  # a directory without config.json reads as incomplete until we finish
     tensors = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous() for k, v in weights.items()}
@@ -369,6 +398,7 @@ def convert(source, output_dir, dtype=None):
     source, output_dir = Path(source), Path(output_dir)
     if not source.exists():
         raise InputError(f"{source}: not found")
+    cli.check_output_dir(output_dir, TOOL, inputs=[source])
     if source.suffix == ".gguf":
         args, weights, special, tokenizers = convert_gguf(source)
     elif source.is_dir():
@@ -382,20 +412,15 @@ def convert(source, output_dir, dtype=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrors(description=__doc__)
     parser.add_argument("--source", required=True, help="Hugging Face model directory or .gguf file")
-    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--output_dir", required=True, help="a new or empty directory, or one this tool wrote")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="storage dtype (auto: as the source; dequantized GGUF is float32)")
     opts = parser.parse_args(argv)
-    dtype = None if opts.dtype == "auto" else getattr(torch, opts.dtype)
-    try:
-        out = convert(opts.source, opts.output_dir, dtype)
-    except InputError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # every file is written under a temporary name, and config.json last
-        print("interrupted; no file was left half-written", file=sys.stderr)
-        sys.exit(130)
+    # every file is written under a temporary name, and config.json last
+    out = cli.run(convert, opts.source, opts.output_dir, None if opts.dtype == "auto" else getattr(torch, opts.dtype),
+                  on_interrupt="interrupted; no file was left half-written")
     print(f"wrote {out}")
 
 

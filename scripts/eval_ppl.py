@@ -7,15 +7,21 @@ exp(total negative log-likelihood / total scored tokens), over all tasks togethe
 --dtype (bf16: the baseline the quantized modes are compared with) and activations are computed in float32, so
 the numbers differ only by the weights (and a float32 prefill is ~3x faster than bf16 on CPUs without bf16 FMA).
 """
-import json
-import math
 import sys
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
+import json  # noqa: E402
+import math  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import humaneval_tasks  # noqa: E402
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
@@ -40,16 +46,20 @@ def main(argv=None):
     parser = OneLineErrors(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint_path", required=True)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--num_tasks", type=int, default=164)
+    parser.add_argument("--num_tasks", type=int, default=164, help="the first N HumanEval tasks (MX files run "
+                        "model.py's reference forward, which decodes every weight per call: ~1 minute a task for "
+                        "SmolLM2 on 2 cores)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        ckpt_dir, weights = resolve_checkpoint(args.checkpoint_path)
-        # the dtype's weights, float32 arithmetic on model.py alone (the backend serves a model in its own dtype)
-        model = load_model(args.checkpoint_path, "cpu", DTYPES[args.dtype], backend="torch").float()
-        tokenizer = Tokenizer(ckpt_dir)
-    except InputError as e:
-        sys.exit(f"error: {e}")
+    cli.run(evaluate, parser.parse_args(argv))
+
+
+def evaluate(args):
+    if not 1 <= args.num_tasks <= 164:
+        raise InputError(f"--num_tasks {args.num_tasks}: HumanEval has 164 tasks; give 1 to 164")
+    ckpt_dir, weights = resolve_checkpoint(args.checkpoint_path)
+    tokenizer = Tokenizer(ckpt_dir)
+    # the dtype's weights, float32 arithmetic on model.py alone (the backend serves a model in its own dtype)
+    model = load_model(args.checkpoint_path, "cpu", DTYPES[args.dtype], backend="torch").float()
     texts = [t["prompt"] + t["canonical_solution"] for t in humaneval_tasks(args.num_tasks)]
     ppl, count = perplexity(model, tokenizer, texts, progress=not args.json)
     result = dict(checkpoint=str(weights), dtype=args.dtype, tasks=len(texts), tokens=count, perplexity=round(ppl, 4))

@@ -17,25 +17,32 @@ specializations.json, custom_io.yaml, qaic.json (what scripts/run_onnx.py needs)
 Weights stay fp32 here; the compiler converts to fp16 and, with --mxfp6, compresses the MatMul weights to MXFP6
 E2M3 (-mxfp6-matmul). So export the float checkpoint: a quantize.py file is refused. More: docs/cloud-ai-100.md.
 """
-import json
-import math
-import shutil
 import sys
-import tempfile
-import time
-import warnings
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn as nn
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import quantize  # noqa: E402
-from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
+import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
+import json  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from checkpoint import InputError, OneLineErrors, map_safetensors, resolve_checkpoint  # noqa: E402
 from generate import load_model  # noqa: E402
 import model as model_lib  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+TOOL = "scripts/export_qaic.py"
 
 FP16_MAX = float(np.finfo(np.float16).max)
 OPSET = 17
@@ -182,15 +189,22 @@ def check_options(opts):
     return core_split(opts.num_cores, opts.role)
 
 
-def load_float_model(checkpoint_path, ctx_len: int) -> Transformer:
-    model = load_model(checkpoint_path, "cpu", torch.float32, backend="torch")  # the graph is model.py
-    if any(isinstance(m, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)) for m in model.modules()):
-        _, weights = resolve_checkpoint(checkpoint_path)
+def check_checkpoint(checkpoint_path, ctx_len: int) -> Path:
+    """A float checkpoint whose context holds ctx_len, checked from its files alone. Returns its directory."""
+    ckpt_dir, weights = resolve_checkpoint(checkpoint_path)
+    args = ModelArgs.from_config(ckpt_dir / "config.json")
+    if map_safetensors(weights)[1].get("quantization"):
         raise InputError(f"{weights}: a quantize.py checkpoint; export the float model.safetensors (--mxfp6 "
                          "lets the compiler compress the weights)")
-    if ctx_len > model.args.max_seq_len:
+    if ctx_len > args.max_seq_len:
         raise InputError(f"--ctx_len {ctx_len} exceeds the model's context (config.json max_seq_len "
-                         f"{model.args.max_seq_len})")
+                         f"{args.max_seq_len})")
+    return ckpt_dir
+
+
+def load_float_model(checkpoint_path, ctx_len: int) -> Transformer:
+    check_checkpoint(checkpoint_path, ctx_len)
+    model = load_model(checkpoint_path, "cpu", torch.float32, backend="torch")  # the graph is model.py
     # rotary tables for every position the model has, so a compile for a longer ctx_len indexes inside them
     cos, sin = model_lib.rope_tables(model.args, model.args.max_seq_len, "cpu")
     model.register_buffer("rope_cos", cos, persistent=False)
@@ -325,9 +339,10 @@ def compile_commands(out: Path, mxfp6: bool, num_cores: int) -> list[str]:
 
 def export(opts, chunk_bytes: int = DATA_CHUNK_BYTES) -> Path:
     num_cores = check_options(opts)
-    ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
+    ckpt_dir = check_checkpoint(opts.checkpoint_path, opts.ctx_len)
+    # an existing directory is replaced only if this tool wrote everything in it
+    out = cli.check_output_dir(opts.output_dir, TOOL, inputs=[ckpt_dir], replaced_whole=True)
     model = load_float_model(opts.checkpoint_path, opts.ctx_len)
-    out = Path(opts.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     # built beside the destination and renamed into place: an interrupted export leaves no half directory
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -340,11 +355,14 @@ def export(opts, chunk_bytes: int = DATA_CHUNK_BYTES) -> Path:
         for name in ("config.json", "tokenizer.json", "tokenizer.model"):
             if (ckpt_dir / name).is_file():
                 shutil.copy(ckpt_dir / name, work / name)
+        cli.write_mark(work, TOOL, [p.name for p in work.iterdir()])
         for path in [work, *work.iterdir()]:  # mkdtemp made it private
             path.chmod(0o755 if path.is_dir() else 0o644)
-        if out.exists():
-            shutil.rmtree(out)
+        old = work.with_name(work.name + ".old")
+        if out.exists():  # a previous export, checked above: set aside, then removed once the new one is in place
+            out.rename(old)
         work.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"exported in {time.perf_counter() - start:.0f} s; {clipped} float constants clipped to the float16 range",
@@ -377,11 +395,7 @@ def build_parser():
 
 
 def main(argv=None):
-    opts = build_parser().parse_args(argv)
-    try:
-        export(opts)
-    except InputError as e:
-        sys.exit(f"error: {e}")
+    cli.run(export, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -5,12 +5,18 @@
 Idempotent: an existing converted checkpoint is kept. The GGUF file stays next to it (tests use it as the
 source for transformers' own GGUF loader, an independent reference).
 """
-import argparse
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import zipfile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import convert  # noqa: E402
@@ -49,7 +55,7 @@ def fetch_demo(output_dir: Path = DEFAULT_OUTPUT) -> tuple[Path, Path]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.OneLineErrors(description=__doc__)
     parser.add_argument("--output_dir", type=Path, default=DEFAULT_OUTPUT)
-    ckpt, _ = fetch_demo(parser.parse_args().output_dir)
+    ckpt, _ = cli.run(fetch_demo, parser.parse_args().output_dir)
     print(f"checkpoint ready: {ckpt}")

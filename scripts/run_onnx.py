@@ -15,16 +15,22 @@ it has not seen and proposes K tokens one at a time; the target scores [last, d1
 call; the longest prefix of drafts equal to the target's argmax is accepted, plus the target's next token. The
 next call starts at p + accepted + 1 and overwrites the stale slots.
 """
-import json
-import platform
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
+
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import numpy as np  # noqa: E402
+
 from checkpoint import InputError, OneLineErrors  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -214,9 +220,15 @@ class ExportedModel:
                              "export with --batch_size 1")
         if "num_cores" not in self.meta:
             raise InputError(f"{meta_path}: written by an older export_qaic.py; export again")
-        self.directory, self.role = directory, role
-        self.runtime = RUNTIMES[runtime](directory, self.meta)
+        self.directory, self.role, self.runtime_name, self.started = directory, role, runtime, None
         self.valid = 0  # positions 0..valid-1 of the state hold the sequence's tokens
+
+    @property
+    def runtime(self):
+        """The graph on its runtime, started at first use (after every check: it takes seconds to minutes)."""
+        if self.started is None:
+            self.started = RUNTIMES[self.runtime_name](self.directory, self.meta)
+        return self.started
 
     def __call__(self, tokens: list[int], start: int) -> np.ndarray:
         """Tokens at positions start.. (padded to the call's length with position -1) -> logits [n, V] of the last
@@ -298,21 +310,22 @@ def main(argv=None):
     p.add_argument("--runtime", choices=list(RUNTIMES), default="onnxruntime",
                    help="onnxruntime (fp32), float16 (the card's precision, emulated op by op; slow) or qaic (the card)")
     p.add_argument("--json", action="store_true", help="one JSON line: tokens, text and the acceptance metrics")
-    opts = p.parse_args(argv)
-    try:
-        if opts.max_new_tokens < 1:
-            raise InputError(f"--max_new_tokens {opts.max_new_tokens}: must be at least 1")
-        target = ExportedModel(opts.target, "target", opts.runtime)
-        draft = ExportedModel(opts.draft, "draft", opts.runtime)
-        tokenizer = Tokenizer(opts.target)
-        prompt = tokenizer.encode(opts.prompt)
-        if not prompt:
-            raise InputError("empty prompt: give at least one token")
-        start = time.perf_counter()
-        new, accepted = speculative_greedy(target, draft, prompt, opts.max_new_tokens)
-        seconds = time.perf_counter() - start
-    except InputError as e:
-        sys.exit(f"error: {e}")
+    cli.run(run, p.parse_args(argv))
+
+
+def run(opts):
+    if opts.max_new_tokens < 1:
+        raise InputError(f"--max_new_tokens {opts.max_new_tokens}: must be at least 1")
+    target = ExportedModel(opts.target, "target", opts.runtime)
+    draft = ExportedModel(opts.draft, "draft", opts.runtime)
+    tokenizer = Tokenizer(opts.target)
+    prompt = tokenizer.encode(opts.prompt)
+    if not prompt:
+        raise InputError("empty prompt: give at least one token")
+    check_pair(target, draft, len(prompt), opts.max_new_tokens)  # before the runtimes start
+    start = time.perf_counter()
+    new, accepted = speculative_greedy(target, draft, prompt, opts.max_new_tokens)
+    seconds = time.perf_counter() - start
     rounds = sum(accepted.values())  # as generate.py: accept_counts[n] rounds accepted n drafts; each adds one more
     metrics = dict(accept_counts=[accepted[n] for n in range(target.meta["decode_len"])],
                    mean_accepted=(sum(n * c for n, c in accepted.items()) + rounds) / rounds,

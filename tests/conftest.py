@@ -3,12 +3,15 @@ own GGUF loading of the same file (the independent reference), and tiny random m
 and converted by our converter."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# The CPU backend's remembered verdicts: one empty cache per run, so the suite checks every model once for real.
+os.environ["FASTDECODE_CACHE"] = tempfile.mkdtemp(prefix="fastdecode-cache-")
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 

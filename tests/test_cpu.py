@@ -2,10 +2,13 @@
 the one-call step against model.py's forward, where the backend serves and where it refuses."""
 import inspect
 import os
+import platform
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -270,6 +273,57 @@ torch.save(few_rows_outputs(), out)
 """
 
 
+GENERIC_BUILD = """
+import sys, torch
+root, out = sys.argv[1:]
+sys.path[:0] = [root, root + "/tests"]
+from cpu import kernels
+kernels.build("x86-64")
+if out != "-":
+    from test_cpu import few_rows_outputs
+    torch.save(few_rows_outputs(), out)
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64")
+def test_a_killed_build_blocks_nothing_and_a_waiting_one_says_for_whom(tmp_path):
+    """A build killed midway (SIGKILL, as a test's timeout or a closed terminal does) leaves no lock behind: the
+    next run builds at once. A run that finds another process building says whose build it waits for. The build
+    is the generic x86-64 one (no AVX2): its products and attention match the native build's within bf16 rounding."""
+    import fcntl
+    root, env = tmp_path / "extensions", dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    killed = subprocess.Popen([sys.executable, "-c", GENERIC_BUILD, str(ROOT), "-"], env=env,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(root.glob("*.build-*/*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # the compiler is running
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert list(root.glob("*.build-*")) and not list(root.glob("*.so")), "killed before the build started or after"
+    lock = next(root.glob("*.lock"))
+    with open(lock, "a+") as held:  # another process's build in progress: wait, saying for whom
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.truncate(0)
+        held.write("process 4242")
+        held.flush()
+        out = tmp_path / "generic.pt"
+        second = subprocess.Popen([sys.executable, "-c", GENERIC_BUILD, str(ROOT), str(out)], env=env,
+                                  stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    _, stderr = second.communicate(timeout=600)
+    assert second.returncode == 0, stderr
+    lines = stderr.splitlines()
+    assert lines[0].startswith(f"waiting for process 4242's build of few_rows.cpp (lock {lock}"), stderr
+    assert lines[1].startswith("building few_rows.cpp for this CPU (-march=x86-64;") and " done in " in lines[1]
+    assert not list(root.glob("*.build-*")), "the killed build's directory was not cleaned up"
+    assert kernels.load()
+    generic, native = torch.load(out), few_rows_outputs()
+    for case, y in native.items():
+        torch.testing.assert_close(generic[case], y, rtol=1e-2, atol=1e-2, msg=case)
+
+
 def test_kernel_builds_are_keyed_by_their_source():
     """A build is named by a hash of what made it (source, flags, torch, this CPU's features): two checkouts or
     versions never load or rebuild each other's."""
@@ -292,8 +346,8 @@ def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
     first = subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], capture_output=True, text=True,
                            env=env, check=True)
-    assert re.fullmatch(r"building few_rows.cpp for this CPU \(-march=haswell, once per source\)\.\.\. "
-                        r"done in \d+ s, cached in .*\n", first.stderr), first.stderr
+    assert re.fullmatch(r"building few_rows.cpp for this CPU \(-march=haswell; once per source, flags, torch and "
+                        r"CPU\)\.\.\. done in \d+ s: .*\.so\n", first.stderr), first.stderr
     again = subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], capture_output=True, text=True,
                            env=env, check=True)
     assert again.stderr == ""

@@ -1,0 +1,257 @@
+"""Around the loop, for every CLI: a user's files are never replaced, every check runs before the work, Ctrl-C is
+one line from the first import on, and the CPU backend's check is paid once per model."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import cli
+import cpu
+import generate
+import model
+import quantize
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import convert_checkpoint  # noqa: E402
+import export_qaic  # noqa: E402
+
+
+def one_line_error(capsys, main, argv) -> str:
+    """Run a CLI's main in-process; it must exit 1 with one line `error: ...`, which is returned."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    message = str(exit.value.code) if isinstance(exit.value.code, str) else capsys.readouterr().err.strip()
+    assert exit.value.code not in (0, None) and len(message.splitlines()) == 1, message
+    assert message.startswith("error: "), message
+    return message
+
+
+def the_work_is_never_reached(monkeypatch, *targets):
+    for owner, name in targets:
+        monkeypatch.setattr(owner, name, lambda *a, **k: pytest.fail(f"{name} ran before the checks"))
+
+
+# ---------------------------------------------------------------- a user's files
+
+def test_export_refuses_a_directory_it_did_not_write_and_keeps_its_files(smollm2, tmp_path, monkeypatch, capsys):
+    """The reported loss: --output_dir on an existing directory removed it and everything in it."""
+    ckpt, _ = smollm2
+    the_work_is_never_reached(monkeypatch, (export_qaic, "load_float_model"))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "important.txt").write_text("keep me")
+    flags = ["--checkpoint_path", str(ckpt), "--role", "draft", "--ctx_len", "64", "--prefill_len", "32"]
+    message = one_line_error(capsys, export_qaic.main, flags + ["--output_dir", str(theirs)])
+    assert "was not written by scripts/export_qaic.py (it holds important.txt)" in message
+    assert (theirs / "important.txt").read_text() == "keep me"
+    for output, fragment in ((ROOT / "docs", "was not written by"), (ROOT, "it holds the input"), (ckpt, "it holds the input"),
+                             (ckpt / "config.json", "a file, not a directory")):
+        assert fragment in one_line_error(capsys, export_qaic.main, flags + ["--output_dir", str(output)])
+
+
+def test_export_replaces_its_own_output_only_while_it_holds_nothing_else(tiny, tmp_path, capsys):
+    ckpt, _ = tiny("llama_gqa_tied")
+    out = tmp_path / "export"
+    flags = ["--checkpoint_path", str(ckpt), "--role", "draft", "--ctx_len", "64", "--prefill_len", "32",
+             "--output_dir", str(out)]
+    export_qaic.main(flags)
+    first = sorted(p.name for p in out.iterdir())
+    assert cli.MARK in first and "model.onnx" in first
+    export_qaic.main(flags)  # its own output: replaced
+    assert sorted(p.name for p in out.iterdir()) == first
+    (out / "notes.txt").write_text("mine")
+    assert "holds notes.txt, which scripts/export_qaic.py did not write" in one_line_error(
+        capsys, export_qaic.main, flags)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_quantize_never_replaces_the_weights_or_a_file_it_did_not_write(smollm2, tmp_path, monkeypatch, capsys):
+    """The reported loss: --output CKPT/model.safetensors replaced the full-precision weights with int8."""
+    ckpt, _ = smollm2
+    the_work_is_never_reached(monkeypatch, (quantize, "quantize_tensor"))
+    before = (ckpt / "model.safetensors").stat()
+    (tmp_path / "notes.safetensors").write_text("mine")
+    cases = {str(ckpt / "model.safetensors"): "that is the input",
+             str(tmp_path): "a directory; give a file path",
+             str(tmp_path / "missing" / "x.safetensors"): "does not exist; create it first",
+             str(tmp_path / "notes.safetensors"): "exists and was not written by this tool",
+             "/proc/x.safetensors": "/proc is not writable"}
+    for output, fragment in cases.items():
+        message = one_line_error(capsys, quantize.main, ["--checkpoint_path", str(ckpt), "--mode", "int8",
+                                                         "--output", output])
+        assert fragment in message, message
+    assert (ckpt / "model.safetensors").stat().st_mtime_ns == before.st_mtime_ns
+    assert (tmp_path / "notes.safetensors").read_text() == "mine"
+
+
+def test_convert_never_writes_over_its_source_or_a_directory_it_did_not_write(tiny, tmp_path, monkeypatch, capsys):
+    """The reported loss: --output_dir equal to --source overwrote the source model."""
+    converted, hf = tiny("llama_gqa_tied")
+    source = tmp_path / "hf"
+    hf.save_pretrained(source)
+    (source / "tokenizer.json").write_text((converted / "tokenizer.json").read_text())
+    the_work_is_never_reached(monkeypatch, (convert_checkpoint, "convert_hf"), (convert_checkpoint, "convert_gguf"))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    cases = {str(source): "it holds the input", str(theirs): "was not written by scripts/convert_checkpoint.py",
+             str(source / "config.json"): "a file, not a directory"}
+    for output, fragment in cases.items():
+        message = one_line_error(capsys, convert_checkpoint.main, ["--source", str(source), "--output_dir", output])
+        assert fragment in message, message
+    monkeypatch.undo()
+    convert_checkpoint.main(["--source", str(source), "--output_dir", str(converted)])  # its own output: rewritten
+    assert json.loads((converted / cli.MARK).read_text())["tool"] == "scripts/convert_checkpoint.py"
+
+
+def test_an_hf_config_field_of_the_wrong_type_is_named_as_the_config_names_it(tiny, tmp_path, capsys):
+    _, hf = tiny("llama_gqa_tied")
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, hidden_size="64")))
+    message = one_line_error(capsys, convert_checkpoint.main, ["--source", str(tmp_path / "hf"), "--output_dir",
+                                                               str(tmp_path / "out")])
+    assert "config.json: field 'hidden_size' is '64', not an integer; fix the config" in message
+    assert "convert_checkpoint" not in message and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- checks before the work
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--draft_checkpoint", "missing"], "--draft_checkpoint missing:"),
+    (["--prompt", ""], "no tokens"),
+    (["--prompt", "0"], "no tokens"),
+    (["--prompt", "300"], "exceeds the model's context of 256"),
+    (["--max_new_tokens", "300"], "exceeds the model's context of 256"),
+    (["--seed", "99999999999999999999999"], "--seed"),
+    (["--device", "meta"], "--device meta: not supported; use cpu or cuda"),
+    (["--device", "mps"], "--device mps: not supported"),
+])
+def test_generate_checks_everything_before_it_loads_a_model(tiny, monkeypatch, capsys, flags, fragment):
+    ckpt, _ = tiny("llama_gqa_tied")
+    the_work_is_never_reached(monkeypatch, (generate, "load_model"))
+    message = one_line_error(capsys, generate.main, ["--checkpoint_path", str(ckpt), "--prompt", "hi"] + flags)
+    assert fragment in message and len(message) < 300, message
+
+
+def test_a_draft_too_short_for_the_request_is_refused_before_loading(tiny, tmp_path, monkeypatch, capsys):
+    ckpt, _ = tiny("llama_gqa_tied")
+    short = tmp_path / "short"
+    short.mkdir()
+    for f in ckpt.iterdir():
+        (short / f.name).write_bytes(f.read_bytes())
+    config = json.loads((ckpt / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(dict(config, max_seq_len=64)))
+    the_work_is_never_reached(monkeypatch, (generate, "load_model"))
+    message = one_line_error(capsys, generate.main, ["--checkpoint_path", str(ckpt), "--draft_checkpoint", str(short),
+                                                     "--max_new_tokens", "100"])
+    assert "exceeds the model's context of 64" in message
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--num_prompts", "0"], "--num_prompts 0: must be at least 1"),
+    (["--runs", "0"], "--runs 0: must be at least 1"),
+    (["--max_new_tokens", "0"], "--max_new_tokens 0: must be at least 1"),
+    (["--rows", "llama.cpp", "--gguf", "missing.gguf"], "--gguf missing.gguf: not found"),
+])
+def test_bench_checks_its_flags_before_it_loads(smollm2, monkeypatch, capsys, flags, fragment):
+    import bench
+    ckpt, _ = smollm2
+    the_work_is_never_reached(monkeypatch, (bench, "load_row_model"))
+    assert fragment in one_line_error(capsys, bench.main, ["--checkpoint_path", str(ckpt)] + flags)
+
+
+def test_the_help_shows_the_defaults():
+    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    text = " ".join(result.stdout.split())
+    assert "(default: 128)" in text and "(default: auto)" in text and "(default: None)" not in text
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+CLIS = ["generate.py", "quantize.py", "scripts/convert_checkpoint.py", "scripts/export_qaic.py",
+        "scripts/run_onnx.py", "scripts/eval_ppl.py", "scripts/bench.py", "scripts/fetch_demo.py"]
+
+
+@pytest.mark.parametrize("script", CLIS)
+def test_ctrl_c_during_the_imports_is_one_line(script):
+    """Ctrl-C while a CLI imports torch (a second or more): `interrupted`, exit 130, no traceback."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.4)  # cli.py is imported; torch is not yet
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
+
+
+def test_ctrl_c_while_exporting_leaves_nothing(tiny, tmp_path):
+    from test_generate import assert_interrupted, interrupted
+    ckpt, _ = tiny("llama_gqa_tied")
+    out = tmp_path / "export"
+    status, _, err = interrupted(["--checkpoint_path", ckpt, "--role", "draft", "--ctx_len", "64", "--prefill_len",
+                                  "32", "--output_dir", out], "scripts/export_qaic.py", "exporting")
+    assert_interrupted(status, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_evaluating_is_one_line(smollm2):
+    from test_generate import assert_interrupted, interrupted
+    ckpt, _ = smollm2
+    status, _, err = interrupted(["--checkpoint_path", ckpt, "--num_tasks", "20"], "scripts/eval_ppl.py",
+                                 "perplexity:")
+    assert_interrupted(status, err)
+
+
+# ---------------------------------------------------------------- the backend's check, once per model
+
+def test_the_backends_verdict_is_remembered_per_weights_and_code(smollm2, tmp_path, monkeypatch, capsys):
+    """The first load runs the canary and says so on one line; the next load of the same weights and code serves
+    at once from the remembered verdict (no canary: no `check` phase); another dtype's weights, or an edit to
+    model.py's code, are checked again."""
+    ckpt, _ = smollm2
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    runs = []
+    for dtype in (torch.bfloat16, torch.bfloat16, torch.float32):
+        phases = {}
+        m = generate.load_model(ckpt, "cpu", dtype, phases=phases)
+        runs.append((phases, capsys.readouterr().err, getattr(m, "eager_steps", False)))
+    (first, said, served), (second, quiet, served_again), (other, said_again, _) = runs
+    assert "check" in first and said.startswith("CPU backend: checking its kernels against model.py") and served
+    assert " serves (" in said and len(said.splitlines()) == 1
+    assert "check" not in second and quiet == "" and served_again
+    assert second["serve"] < first["check"] + first["serve"]
+    assert "check" in other and "checking" in said_again
+    assert len(list((tmp_path / "verdicts").glob("*.json"))) == 2
+    source = model.FeedForward.forward
+
+    def forward(self, x):  # the same math, other code: checked again
+        return source(self, x) * 1.0
+    monkeypatch.setattr(model.FeedForward, "forward", forward)
+    phases = {}
+    generate.load_model(ckpt, "cpu", torch.bfloat16, phases=phases)
+    assert "check" in phases
+
+
+def test_a_refusal_is_remembered_too(monkeypatch, tmp_path, capsys):
+    """A canary that fails once is not run again for the same model: the warning repeats, marked remembered."""
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "TOLERANCE", 0.0)
+    monkeypatch.setattr(cpu, "ONE_CALL_FP32", -1.0)
+    torch.manual_seed(0)
+    m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                          intermediate_size=96)).eval()
+    state = m.state_dict()
+    assert not cpu.apply(m)
+    first = capsys.readouterr().err
+    m = model.Transformer(m.args).eval()
+    m.load_state_dict(state)
+    assert not cpu.apply(m)
+    again = capsys.readouterr().err
+    assert "checking" in first and "warning: CPU backend:" in first
+    assert "checking" not in again and "(remembered from its check" in again

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 
@@ -452,6 +453,7 @@ def check_request(opts):
     check_options(opts)
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
     args = ModelArgs.from_config(ckpt_dir / "config.json")
+    tp.check_split(args, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; the draft is replicated
     tokenizer = Tokenizer(ckpt_dir)
     prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
     if not prompt:

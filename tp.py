@@ -150,15 +150,22 @@ class VocabShardEmbedding(nn.Module):
         return self.reduce(torch.where(held[..., None], rows, 0))  # exact: one rank adds a row, the rest zeros
 
 
+def check_split(args, world: int):
+    """The heads and the MLP split over `world` ranks: checked from config.json before anything loads (a quantized
+    layout's blocks are checked as each layer is sliced)."""
+    head_plan(args.n_heads, args.n_kv_heads, 0, world)
+    if args.intermediate_size % world:
+        raise InputError(f"config.json intermediate_size {args.intermediate_size} does not split over {world} "
+                         f"ranks; launch with --nproc_per_node one of {divisors(args.intermediate_size)}")
+
+
 def shard(model: Transformer, rank: int, world: int) -> bool:
     """Slice the model in place to rank `rank` of `world` (no communication). Returns whether the embedding
     and LM head are split by vocabulary (then embeddings must be all-reduced and logits gathered)."""
     args = model.args
+    check_split(args, world)
     q_heads, kv_heads = head_plan(args.n_heads, args.n_kv_heads, rank, world)
     q_rows, kv_rows = rows_of(q_heads, args.head_dim), rows_of(kv_heads, args.head_dim)
-    if args.intermediate_size % world:
-        raise InputError(f"config.json intermediate_size {args.intermediate_size} does not split over {world} "
-                         f"ranks; launch with --nproc_per_node one of {divisors(args.intermediate_size)}")
     per_rank = args.intermediate_size // world
     mlp_rows = slice(rank * per_rank, (rank + 1) * per_rank)
 

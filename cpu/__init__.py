@@ -183,6 +183,10 @@ def apply(transformer, mapped=None, phases=None) -> bool:
     if not kernels.load():
         return False
     phases["kernels"] = time.perf_counter() - start
+    changed = edited(ONE_CALL) if one_call_possible(transformer, set(products)) else []
+    if changed:
+        print(f"warning: CPU backend: {changed[0]} is not the code its one-call step implements (edited?); steps run "
+              "model.py's forward around its kernels", file=sys.stderr)
     start = time.perf_counter()
     key = verdict_key(transformer)
     known = remembered(key)
@@ -197,16 +201,20 @@ def apply(transformer, mapped=None, phases=None) -> bool:
         serve(transformer, products, mapped)
         phases["serve"] = time.perf_counter() - start
         return True
-    print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
-          "torch)...", end="", file=sys.stderr, flush=True)
+    say = tp.is_rank0()  # under torchrun, rank 0 speaks for all
+    if say:
+        print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
+              "torch)...", end="", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
         reason = check_and_serve(transformer, products, mapped, phases)
     except BaseException:
-        print(" interrupted", file=sys.stderr)
+        if say:
+            print(" interrupted", file=sys.stderr)
         raise
     phases["check"] = time.perf_counter() - start - phases.get("serve", 0.0)
-    print(f" {'refused' if reason else 'serves'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    if say:
+        print(f" {'refused' if reason else 'serves'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     remember(key, reason)
     if reason:
         warn(reason)
@@ -336,12 +344,7 @@ def serve(transformer, products, mapped) -> list:
     for layer in transformer.layers:
         originals.append((layer.attention, model.Attention))
         layer.attention.__class__ = Attention
-    one_call = one_call_possible(transformer, set(products))
-    changed = edited(ONE_CALL) if one_call else []
-    if changed:
-        one_call = False
-        print(f"warning: CPU backend: {changed[0]} is not the code its one-call step implements (edited?); steps run "
-              "model.py's forward around its kernels", file=sys.stderr)
+    one_call = one_call_possible(transformer, set(products)) and not edited(ONE_CALL)
     pages, step_products = HugePages(), []
     parts = [(f"layers.{i}.", layer) for i, layer in enumerate(transformer.layers)] + [("output.", transformer.output)]
     for prefix, part in parts:

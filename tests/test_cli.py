@@ -175,6 +175,13 @@ def test_the_help_shows_the_defaults():
 
 # ---------------------------------------------------------------- Ctrl-C
 
+def test_cli_py_imports_the_standard_library_only():
+    """So that each CLI can arm its Ctrl-C handling before torch's import, which takes seconds."""
+    result = subprocess.run([sys.executable, "-c", "import sys, cli; print(sorted(m for m in sys.modules if m in "
+                             "('torch', 'numpy', 'checkpoint', 'model')))"], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout == "[]\n", result
+
+
 CLIS = ["generate.py", "quantize.py", "scripts/convert_checkpoint.py", "scripts/export_qaic.py",
         "scripts/run_onnx.py", "scripts/eval_ppl.py", "scripts/bench.py", "scripts/fetch_demo.py"]
 

@@ -28,7 +28,8 @@ def test_single_sharded_and_bin_layouts_convert_identically(tmp_path, name):
         if layout == "bin":
             assert list(src.glob("*.bin")) and not list(src.glob("*.safetensors"))
         out = convert(src, tmp_path / f"out_{layout}")
-        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+        assert sorted(p.name for p in out.iterdir()) == [".written-by.json", "config.json", "model.safetensors",
+                                                         "tokenizer.json"]
         converted[layout] = (load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text()))
     ref_tensors, ref_config = converted["single"]
     for layout, (tensors, config) in converted.items():

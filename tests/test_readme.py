@@ -22,7 +22,7 @@ def test_readme_flags_exist():
             assert flag in flags, flag
 
 
-LIBRARY = ("checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "cpu",
+LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "cpu",
            "cpu.kernels", "cpu.modules", "cpu.threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 

@@ -44,3 +44,45 @@ def test_random_weights_need_no_checkpoint(tmp_path):
                           str(tmp_path / "nope.json")], ("nope.json", "not found")),
                         (["--random_weights", str(config), "--device", "cuda:7"], ("--device cuda:7", "not available"))):
         assert_one_line_error(cli(*args, script="scripts/bench.py"), *words)
+
+
+def test_a_killed_bench_leaves_no_busy_loop(tmp_path):
+    """--contended's busy loop spins only while its parent lives: a bench killed outright (SIGKILL, no cleanup)
+    leaves no process burning a core."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path[:0] = [sys.argv[1], sys.argv[1] + "
+                               "'/scripts']\nfrom bench import BusyProcess\nwith BusyProcess() as busy:\n"
+                               "    print(busy.process.pid, flush=True)\n    time.sleep(600)", str(ROOT)],
+                              stdout=subprocess.PIPE, text=True)
+    spinner = int(holder.stdout.readline())
+    os.kill(spinner, 0)  # spinning
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(spinner, 0)
+        except ProcessLookupError:
+            return
+        state = open(f"/proc/{spinner}/stat").read().split(")")[1].split()[0] if os.path.exists(f"/proc/{spinner}") \
+            else "gone"
+        if state == "Z":  # exited, not yet reaped by its new parent
+            return
+        time.sleep(0.1)
+    os.kill(spinner, signal.SIGKILL)
+    raise AssertionError("the busy loop outlived the bench that started it")
+
+
+def test_bench_load_times_fresh_processes(tiny, capsys):
+    """scripts/bench_load.py: a row per file with the three loads (torch, the backend's first check, its
+    remembered verdict)."""
+    import bench_load
+    ckpt, _ = tiny("llama_gqa_tied")
+    bench_load.main(["--checkpoint_path", str(ckpt), "--files", "bf16", "--runs", "1"])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| file | torch | auto, first | auto, later | first forward |" and table[2].startswith("| bf16 |")

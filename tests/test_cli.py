@@ -182,8 +182,8 @@ def test_cli_py_imports_the_standard_library_only():
     assert result.stdout == "[]\n", result
 
 
-CLIS = ["generate.py", "quantize.py", "scripts/convert_checkpoint.py", "scripts/export_qaic.py",
-        "scripts/run_onnx.py", "scripts/eval_ppl.py", "scripts/bench.py", "scripts/fetch_demo.py"]
+CLIS = ["generate.py", "quantize.py", "scripts/convert_checkpoint.py", "scripts/export_qaic.py", "scripts/run_onnx.py",
+        "scripts/eval_ppl.py", "scripts/bench.py", "scripts/bench_load.py", "scripts/fetch_demo.py"]
 
 
 @pytest.mark.parametrize("script", CLIS)

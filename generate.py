@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -374,6 +375,8 @@ def build_parser():
                    help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
     p.add_argument("--speculate_k", type=speculate_k_arg, default=5,
                    help="tokens drafted per speculative round, or 'auto' (chosen online from measured alpha and c)")
+    p.add_argument("--nproc_per_node", type=int, default=1, help="tensor parallelism: this many ranks on this host "
+                   "(as torchrun starts them; gloo on CPU, NCCL with one GPU each)")
     return p
 
 
@@ -397,9 +400,14 @@ def check_options(opts):
         raise InputError("--draft model needs --draft_checkpoint PATH")
     if opts.draft == "ngram" and opts.draft_checkpoint:
         raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
+    if opts.nproc_per_node < 1:
+        raise InputError(f"--nproc_per_node {opts.nproc_per_node}: must be at least 1")
     if not 0 <= opts.seed < 2**64:
         raise InputError(f"--seed {opts.seed}: must be between 0 and 2**64 - 1")
     check_device(opts.device)
+    if torch.device(opts.device).type == "cuda" and opts.nproc_per_node > torch.cuda.device_count():
+        raise InputError(f"--nproc_per_node {opts.nproc_per_node}: this host has {torch.cuda.device_count()} GPUs; "
+                         "launch at most one rank per GPU")
 
 
 def check_device(device):
@@ -453,7 +461,7 @@ def check_request(opts):
     check_options(opts)
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
     args = ModelArgs.from_config(ckpt_dir / "config.json")
-    tp.check_split(args, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; the draft is replicated
+    tp.check_split(args, int(os.environ.get("WORLD_SIZE", opts.nproc_per_node)))  # the draft is replicated
     tokenizer = Tokenizer(ckpt_dir)
     prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
     if not prompt:
@@ -556,13 +564,18 @@ def run(opts):
 
 def main(argv=None):
     cli.raise_interrupts()
+    argv = sys.argv[1:] if argv is None else argv
     opts = build_parser().parse_args(argv)
     error = None
     try:
+        if opts.nproc_per_node > 1 and os.environ.get("RANK") is None:  # the launcher: check, then start the ranks
+            check_request(opts)
+            sys.exit(tp.launch([__file__, *argv], opts.nproc_per_node))
         run(opts)
     except InputError as e:  # every rank meets the same bad input, so all of them get here
         error = f"error: {e}"
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (or the launcher's) adds nothing
         if tp.is_rank0():
             print("interrupted", file=sys.stderr)
         tp.finish(130, wait=False)

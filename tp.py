@@ -1,6 +1,10 @@
 """Tensor parallelism on torch.distributed: each rank holds a slice of every layer.
 
-    torchrun --nproc_per_node=N generate.py --checkpoint_path CKPT [--draft_checkpoint DRAFT] ...
+    python generate.py --nproc_per_node N --checkpoint_path CKPT [--draft_checkpoint DRAFT] ...
+    torchrun --standalone --nproc_per_node=N generate.py --checkpoint_path CKPT ...   # the same ranks
+
+`launch` starts the ranks on this host as torchrun does (its environment variables), without torchrun's launcher:
+Ctrl-C ends every rank with one line and exit status 130, a failing rank's one-line error is the only report.
 
 The backend follows --device: gloo on CPU, NCCL on CUDA (rank r uses cuda:LOCAL_RANK).
 
@@ -37,6 +41,9 @@ which torch.compile traces into the decode graph.
 """
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from functools import partial
@@ -66,6 +73,45 @@ def init_from_env(device: str):
     else:
         dist.init_process_group("gloo")
     return dist.group.WORLD, device
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Run `python ARGV` as nproc ranks on this host, with the variables `torchrun --standalone` sets (and
+    OMP_NUM_THREADS=1 unless set, as torchrun does). Returns the exit status: the first failing rank's (the others
+    are stopped), 130 after Ctrl-C (every rank gets it; rank 0 says `interrupted`), else 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=str(nproc))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    ranks = [subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)))
+             for r in range(nproc)]
+    try:
+        while any(p.poll() is None for p in ranks):
+            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+            if failed:  # the others would wait for it forever
+                stop(ranks, signal.SIGTERM)
+                return failed[0]
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop(ranks, signal.SIGINT)  # a terminal's Ctrl-C reached them already; a kill -INT of this process did not
+        return 130
+    return next((p.returncode for p in ranks if p.returncode), 0)
+
+
+def stop(ranks, how, grace_s: float = 30.0):
+    for p in ranks:
+        if p.poll() is None:
+            p.send_signal(how)
+    deadline = time.monotonic() + grace_s
+    for p in ranks:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def is_rank0() -> bool:

@@ -124,6 +124,37 @@ def test_cli_under_torchrun_prints_once_and_matches(tiny, tmp_path):
     assert text.stderr.count("tensor parallel over 2 ranks (gloo): weights held per rank") == 1
 
 
+def test_generate_launches_its_own_ranks_and_ends_them_with_one_line(tiny):
+    """python generate.py --nproc_per_node N: the same tokens as one process, printed once; a world size that does not
+    split the model is one line before any rank starts; Ctrl-C (to the launcher alone, or to the whole process
+    group as a terminal sends it) ends every rank with one line, `interrupted`, exit status 130, no traceback."""
+    from test_generate import assert_interrupted
+    ckpt, _ = tiny("llama_tp")
+    common = ["--checkpoint_path", str(ckpt), "--prompt", "def add(a, b):", "--max_new_tokens", "24", "--temperature",
+              "0", "--dtype", "fp32", "--json"]
+    single, launched = (subprocess.run([sys.executable, "generate.py", *common, *extra], capture_output=True,
+                                       text=True, cwd=ROOT, timeout=300) for extra in ([], ["--nproc_per_node", "3"]))
+    assert launched.returncode == 0 and len(launched.stdout.splitlines()) == 1, launched.stderr[-3000:]
+    assert json.loads(launched.stdout)["tokens"] == json.loads(single.stdout)["tokens"]
+    refused = subprocess.run([sys.executable, "generate.py", *common, "--nproc_per_node", "4"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=300)
+    assert refused.returncode == 1 and refused.stderr == ("error: config.json n_heads 6 does not split over 4 ranks; "
+                                                          "launch with --nproc_per_node one of 1, 2, 3, 6\n")
+    import signal
+    for group in (False, True):
+        proc = subprocess.Popen([sys.executable, "generate.py", *common, "--nproc_per_node", "2", "--num_samples",
+                                 "100000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        assert proc.stdout.readline().startswith("{"), proc.stderr.read()  # the ranks are decoding
+        if group:  # as a terminal sends it
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert_interrupted(proc.returncode, err)
+        assert err.count("interrupted") == 1, err
+
+
 def test_bad_world_sizes_give_one_line_errors(smollm2, tiny):
     ckpt, _ = smollm2
     result = torchrun(2, "generate.py", "--checkpoint_path", ckpt, "--max_new_tokens", "2")

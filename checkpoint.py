@@ -111,6 +111,35 @@ def release_file_pages(mapped):
             madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)
 
 
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: Path, entries: dict, metadata: dict, progress: str | None = None):
+    """A safetensors file written tensor by tensor: entries maps name -> (shape, dtype, produce), and produce()
+    makes that tensor (cast to dtype here) only when its bytes are written, so a converter holds one tensor at a
+    time, not the model. Written under a temporary name and renamed (write_atomically)."""
+    from tqdm import tqdm
+    header, offset = {"__metadata__": metadata}, 0
+    for name, (shape, dtype, _) in entries.items():
+        size = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def write(tmp: Path):
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for name, (shape, dtype, produce) in tqdm(entries.items(), desc=progress, disable=progress is None,
+                                                      unit="tensor"):
+                t = produce().to(dtype).contiguous()
+                if list(t.shape) != list(shape):
+                    raise ValueError(f"{name}: produced shape {list(t.shape)}, declared {list(shape)}")
+                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    write_atomically(path, write)
+
+
 def write_atomically(path: Path, write):
     """write(temporary path) in path's directory, then rename it to path: a reader, or a Ctrl-C, never meets a
     half-written file. The file gets the usual permissions (some writers create 0600 files)."""

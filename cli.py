@@ -38,7 +38,8 @@ class DefaultsHelp(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+        shown = action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text
+        if action.option_strings and shown:
             text += " (default: %(default)s)"
         return text
 

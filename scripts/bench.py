@@ -6,7 +6,8 @@ Rows: this project's compiled decode (with the CPU backend a Llama-family model'
 which needs no compiling: its "compile s" is the warm-up alone), its eager decode, and `transformers`' generate on
 the same weights;
 quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
-is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file).
+is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file; spec-draft: by
+--draft_checkpoint, another model).
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
 cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
 --max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
@@ -131,7 +132,7 @@ def quantized_path(checkpoint_path, mode):
     return path
 
 
-DRAFTERS = ("self", "random", "ngram", *quantize.MODES)
+DRAFTERS = ("self", "random", "ngram", "draft", *quantize.MODES)
 
 
 def spec_k(row, default):
@@ -177,6 +178,10 @@ def check_rows(rows, opts):
                                  f"{MAX_SPECULATE_K}")
             if drafter in quantize.MODES and not opts.random_weights:
                 quantized_path(opts.checkpoint_path, drafter)
+            if drafter == "draft":
+                if not opts.draft_checkpoint:
+                    raise InputError(f"--rows {row}: needs --draft_checkpoint PATH")
+                resolve_checkpoint(opts.draft_checkpoint)
         elif row == "llama.cpp" and not opts.gguf:
             raise InputError("--rows llama.cpp needs --gguf PATH")
         elif row not in ("compiled", "eager", "hf", "llama.cpp"):
@@ -185,6 +190,9 @@ def check_rows(rows, opts):
 
 
 def make_drafter(kind, opts, vocab_size, compiled):
+    if kind == "draft":  # another model of the same vocabulary: --draft_checkpoint (a quantize.py file of it too)
+        return ModelDrafter(load_model(opts.draft_checkpoint, opts.device, DTYPES[opts.dtype], backend=opts.backend),
+                            compile=compiled)
     if kind in quantize.MODES:  # a quantized copy of the target: lossless speculation without a second model
         return ModelDrafter(load_row_model(opts, kind), compile=compiled)
     if kind == "ngram":
@@ -398,6 +406,7 @@ def main(argv=None):
     p.add_argument("--random_weights", metavar="CONFIG", help="a config.json: that model's shapes, random weights")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--draft_config", metavar="CONFIG", help="the shapes of the spec-random rows' draft (a config.json)")
+    p.add_argument("--draft_checkpoint", help="the spec-draft rows' draft model (same vocabulary)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--num_prompts", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -405,8 +414,8 @@ def main(argv=None):
     p.add_argument("--rows", default="compiled,eager,hf",
                    help="comma-separated: compiled, eager, hf, quant-MODE (CKPT/model.MODE.safetensors, compiled), "
                         "llama.cpp (with --gguf), and speculative rows spec-DRAFTER[-K] with DRAFTER in self, "
-                        "random, ngram or a quantize.py mode (the target's own quantized file) and K an int or "
-                        "auto (default --speculate_k)")
+                        "random, ngram, draft (--draft_checkpoint) or a quantize.py mode (the target's own quantized "
+                        "file) and K an int or auto (default --speculate_k)")
     p.add_argument("--speculate_k", default="4")
     p.add_argument("--gguf", help="GGUF file for the optional llama.cpp row (needs llama-cpp-python)")
     p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")

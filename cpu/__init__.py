@@ -13,7 +13,8 @@ around them). The last two must give the same logits and cache entries bit for b
 rounds as eager PyTorch does (within ONE_CALL_FP32 in float32, TOLERANCE where products round their inputs): that is
 where a fork's change to model.py's math shows. The backend against PyTorch must agree within TOLERANCE: its products
 and attention sum in another order than PyTorch's kernels (as any other BLAS would). On a mismatch it puts the model
-back as it was, says so in one line, and the model runs on model.py's PyTorch path.
+back as it was, says so in one line, and the model runs on model.py's PyTorch path. The verdict is remembered per
+(weights, code, CPU, torch) (verdict_key), so a model pays for its canary once, not at every load.
 """
 import ast
 import dataclasses

@@ -158,7 +158,9 @@ def check_rows(rows, opts):
         if config:
             ModelArgs.from_config(Path(config))
     for row in rows:
-        if opts.random_weights and row in ("hf", "llama.cpp"):
+        if row == "hf-draft" and not opts.draft_checkpoint:
+            raise InputError("--rows hf-draft: needs --draft_checkpoint PATH")
+        if opts.random_weights and row in ("hf", "hf-draft", "llama.cpp"):
             raise InputError(f"--rows {row}: needs real weights; drop it with --random_weights")
         if opts.device != "cpu" and row == "llama.cpp":
             raise InputError(f"--rows llama.cpp runs on the CPU; drop it with --device {opts.device}")
@@ -184,7 +186,7 @@ def check_rows(rows, opts):
                 resolve_checkpoint(opts.draft_checkpoint)
         elif row == "llama.cpp" and not opts.gguf:
             raise InputError("--rows llama.cpp needs --gguf PATH")
-        elif row not in ("compiled", "eager", "hf", "llama.cpp"):
+        elif row not in ("compiled", "eager", "hf", "hf-draft", "llama.cpp"):
             raise InputError(f"--rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
                              "spec-DRAFTER[-K]")
 
@@ -231,13 +233,16 @@ def llama_cpp(gguf, texts, new_tokens):
     return time.perf_counter() - t, lambda i: decode(texts[i], new_tokens)
 
 
-def hf_generate(hf, prompts, new_tokens):
-    hf.generation_config.eos_token_id = None  # like our rows: exactly n tokens, EOS is not special
+def hf_generate(hf, prompts, new_tokens, assistant=None):
+    """transformers' generate, greedy; with an assistant model, its assisted generation (speculative decoding)."""
+    for model in (hf, assistant) if assistant is not None else (hf,):
+        model.generation_config.eos_token_id = None  # like our rows: exactly n tokens, EOS is not special
+    extra = dict(assistant_model=assistant) if assistant is not None else {}
 
     @torch.no_grad()
     def timed(prompt, n):
         t = time.perf_counter()
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
         return time.perf_counter() - t, out[0, len(prompt):].tolist()
 
     def run(i):
@@ -281,14 +286,17 @@ def set_up(rows, opts, model, prompts, step_bytes):
         elif row in ("compiled", "eager"):
             compiled = row == "compiled"
             warm, run = ours(model, prompts, opts.max_new_tokens, compiled=compiled)
-        elif row == "hf":
-            warm, run = hf_generate(to_hf_model(model), prompts, opts.max_new_tokens)
+        elif row in ("hf", "hf-draft"):
+            assistant = None if row == "hf" else to_hf_model(load_model(opts.draft_checkpoint, opts.device,
+                                                                        DTYPES[opts.dtype], backend="torch"))
+            warm, run = hf_generate(to_hf_model(model), prompts, opts.max_new_tokens, assistant)
             compiled = False
         else:  # spec-DRAFTER[-K]
             compiled = not opts.eager_spec
             drafter = make_drafter(row.split("-")[1], opts, model.args.vocab_size, compiled)
             warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
-        name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate"}.get(row, row)
+        name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate",
+                "hf-draft": "transformers assisted"}.get(row, row)
         setups.append((name, row_bytes, warm, run, compiled))
         print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
     return setups
@@ -412,7 +420,8 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt")
     p.add_argument("--rows", default="compiled,eager,hf",
-                   help="comma-separated: compiled, eager, hf, quant-MODE (CKPT/model.MODE.safetensors, compiled), "
+                   help="comma-separated: compiled, eager, hf, hf-draft (transformers' assisted generation with "
+                        "--draft_checkpoint), quant-MODE (CKPT/model.MODE.safetensors, compiled), "
                         "llama.cpp (with --gguf), and speculative rows spec-DRAFTER[-K] with DRAFTER in self, "
                         "random, ngram, draft (--draft_checkpoint) or a quantize.py mode (the target's own quantized "
                         "file) and K an int or auto (default --speculate_k)")

@@ -177,6 +177,13 @@ def hf_config(args: ModelArgs):
                              layer_norm_epsilon=args.norm_eps, n_positions=args.max_seq_len, n_ctx=args.max_seq_len,
                              activation_function="gelu_new", tie_word_embeddings=False)
     rope = dict(args.rope_scaling or {"rope_type": "default"}, rope_theta=args.rope_theta)
+    if args.qkv_bias:  # Llama's attention_bias would add one to o_proj too; Qwen2 has q/k/v biases only
+        from transformers import Qwen2Config
+        return Qwen2Config(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                           num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                           intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
+                           rope_parameters=rope, tie_word_embeddings=args.tie_embeddings,
+                           max_position_embeddings=args.max_seq_len, use_sliding_window=False)
     return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
                        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
                        intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,

@@ -158,6 +158,9 @@ def test_a_draft_too_short_for_the_request_is_refused_before_loading(tiny, tmp_p
     (["--runs", "0"], "--runs 0: must be at least 1"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: must be at least 1"),
     (["--rows", "llama.cpp", "--gguf", "missing.gguf"], "--gguf missing.gguf: not found"),
+    (["--rows", "hf-draft"], "--rows hf-draft: needs --draft_checkpoint PATH"),
+    (["--rows", "spec-draft-4"], "--rows spec-draft-4: needs --draft_checkpoint PATH"),
+    (["--rows", "spec-draft-4", "--draft_checkpoint", "missing"], "missing: not found"),
 ])
 def test_bench_checks_its_flags_before_it_loads(smollm2, monkeypatch, capsys, flags, fragment):
     import bench

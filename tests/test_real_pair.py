@@ -63,6 +63,7 @@ def test_qwen_small_logits_and_greedy_match_transformers(qwen_small_fp32):
     model = load_model(ckpt, "cpu", torch.float32, backend="torch")
     with torch.no_grad():
         tokens = torch.tensor([prompts[0]])
+        model.setup_caches(1, tokens.shape[1])
         ours = model(tokens, torch.arange(tokens.shape[1])[None]).float()
         theirs = hf(tokens).logits.float()
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4

@@ -112,3 +112,8 @@ def quantized(smollm2, tmp_path_factory):
         os.symlink(ckpt / name, out / name)
     return {mode: quantize.quantize_checkpoint(ckpt, mode, output=out / f"model.{mode}.safetensors", progress=False)
             for mode in quantize.MODES}
+
+
+def pytest_collection_modifyitems(items):
+    """The real pair's tests first: they need the most memory (~14 GB), best before any other fixture holds some."""
+    items.sort(key=lambda item: item.module.__name__ != "test_real_pair")

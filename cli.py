@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 # An output directory's mark: which tool wrote it and which files it wrote there.
@@ -62,8 +63,7 @@ def raise_interrupts():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def threading_main() -> bool:
-    import threading
+def threading_main() -> bool:  # signal handlers can only be set from the main thread
     return threading.current_thread() is threading.main_thread()
 
 

@@ -263,7 +263,8 @@ CODE_MODULES = ("model", "quantize", "mx", "tp", "cpu", "cpu.modules", "cpu.kern
 
 def verdict_key(transformer) -> str:
     """What the canary's verdict depends on, hashed: the code as it runs (the bytecode of every function and method
-    of CODE_MODULES and of the model's module types, so a fork's edit or a monkeypatch checks again), the
+    of CODE_MODULES and of the model's module types, and their module-level settings, so a fork's edit or a
+    monkeypatch checks again), the
     kernels' build (source, flags, torch, CPU), the config, every tensor's name, shape and dtype and a sample of
     its bytes (its first, middle and last 4 KiB: a re-quantized or re-converted file checks again), the
     backend's bounds and fingerprints."""
@@ -281,6 +282,10 @@ def verdict_key(transformer) -> str:
                 functions += [f for f in vars(klass).values() if inspect.isfunction(f)]
     for function in functions:
         digest.update(code_bytes(function.__code__))
+    for name in CODE_MODULES:  # module-level settings the code reads (mx.FORMATS, quantize.ROWS, ...)
+        for key, value in sorted(vars(sys.modules[name]).items()):
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, tuple, dict)):
+                digest.update(f"{name}.{key}={value!r}".encode())
     digest.update(repr((kernels.build_name(kernels.SOURCE.read_text(), "native"), torch.__version__, sys.version,
                         dataclasses.asdict(transformer.args), REPLACED, ONE_CALL, TOLERANCE, ONE_CALL_FP32,
                         TOKENS)).encode())

@@ -265,3 +265,22 @@ def test_a_refusal_is_remembered_too(monkeypatch, tmp_path, capsys):
     again = capsys.readouterr().err
     assert "checking" in first and "warning: CPU backend:" in first
     assert "checking" not in again and "(remembered from its check" in again
+
+
+def test_the_verdict_key_sees_code_and_settings_not_comments(monkeypatch):
+    """A change to a function's code or to a module-level setting the code reads makes another key (checked
+    again); the same model and code keep theirs."""
+    import mx
+    torch.manual_seed(0)
+    m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                          intermediate_size=96)).eval()
+    key = cpu.verdict_key(m)
+    assert cpu.verdict_key(m) == key
+    monkeypatch.setattr(quantize, "ROWS", quantize.ROWS // 2)
+    assert cpu.verdict_key(m) != key
+    monkeypatch.undo()
+    monkeypatch.setitem(mx.FORMATS, "fp4_e2m1", mx.FORMATS["fp6_e2m3"])
+    assert cpu.verdict_key(m) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(model, "apply_rotary", lambda x, cos, sin, r: x)
+    assert cpu.verdict_key(m) != key

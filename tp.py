@@ -200,9 +200,21 @@ def check_split(args, world: int):
     """The heads and the MLP split over `world` ranks: checked from config.json before anything loads (a quantized
     layout's blocks are checked as each layer is sliced)."""
     head_plan(args.n_heads, args.n_kv_heads, 0, world)
-    if args.intermediate_size % world:
-        raise InputError(f"config.json intermediate_size {args.intermediate_size} does not split over {world} "
-                         f"ranks; launch with --nproc_per_node one of {divisors(args.intermediate_size)}")
+    mlp_rows(args.intermediate_size, 0, world)
+
+
+def mlp_rows(intermediate_size: int, rank: int, world: int) -> slice:
+    """This rank's MLP rows: an even split where the size divides, else (Qwen2.5-1.5B's 8960 over 3 ranks) whole
+    blocks of the largest power of two up to 256 that divides the size, so no quantized block is cut."""
+    if intermediate_size % world == 0:
+        per_rank = intermediate_size // world
+        return slice(rank * per_rank, (rank + 1) * per_rank)
+    unit = next(u for u in (256, 128, 64, 32, 16, 8, 4, 2, 1) if intermediate_size % u == 0)
+    units = intermediate_size // unit
+    if units < world:
+        raise InputError(f"config.json intermediate_size {intermediate_size} does not split over {world} ranks; "
+                         f"launch with --nproc_per_node at most {units}")
+    return slice(rank * units // world * unit, (rank + 1) * units // world * unit)
 
 
 def shard(model: Transformer, rank: int, world: int) -> bool:
@@ -212,8 +224,7 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
     check_split(args, world)
     q_heads, kv_heads = head_plan(args.n_heads, args.n_kv_heads, rank, world)
     q_rows, kv_rows = rows_of(q_heads, args.head_dim), rows_of(kv_heads, args.head_dim)
-    per_rank = args.intermediate_size // world
-    mlp_rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    mlp = mlp_rows(args.intermediate_size, rank, world)
 
     def sliced(name, select, *where):
         try:
@@ -228,14 +239,14 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
             linear.bias = None  # added once, by rank 0, into the all-reduced sum
 
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.attention, layer.feed_forward
+        attn, ff = layer.attention, layer.feed_forward
         for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
             sliced(f"layers.{i}.attention.{name}", getattr(attn, name).select_outputs, rows)
         row_parallel(f"layers.{i}.attention.wo", attn.wo, q_rows.start, q_rows.stop)
         attn.n_heads, attn.n_kv_heads = len(q_heads), len(kv_heads)
-        for name in ("w1", "w3") if mlp.gated else ("w1",):
-            sliced(f"layers.{i}.feed_forward.{name}", getattr(mlp, name).select_outputs, mlp_rows)
-        row_parallel(f"layers.{i}.feed_forward.w2", mlp.w2, mlp_rows.start, mlp_rows.stop)
+        for name in ("w1", "w3") if ff.gated else ("w1",):
+            sliced(f"layers.{i}.feed_forward.{name}", getattr(ff, name).select_outputs, mlp)
+        row_parallel(f"layers.{i}.feed_forward.w2", ff.w2, mlp.start, mlp.stop)
     split_vocab = args.vocab_size % (16 * world) == 0
     if split_vocab:
         per_rank = args.vocab_size // world

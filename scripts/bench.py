@@ -7,7 +7,15 @@ which needs no compiling: its "compile s" is the warm-up alone), its eager decod
 the same weights;
 quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
 is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file; spec-draft: by
---draft_checkpoint, another model).
+--draft_checkpoint, another model; spec-draft.MODE: by the draft's quantized file), and quant-MODE+spec-* rows
+speculate on the quantized target. A speculative row's "same tokens" counts the prompts where it gave its target's
+plain output (the quant-MODE row's for a quantized target); every other row's, the first row's output.
+
+The pair (docs/performance.md):
+
+    python scripts/bench.py --checkpoint_path checkpoints/qwen2.5-coder-1.5b \
+        --draft_checkpoint checkpoints/qwen2.5-coder-0.5b --num_prompts 10 --runs 1 \
+        --rows compiled,quant-int8,spec-draft-4,spec-draft.int4-4,quant-mxfp6+spec-draft.int4-4,hf,hf-draft
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
 cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
 --max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
@@ -117,7 +125,17 @@ def random_model(config, device, dtype, mode=None, backend="auto"):
 
 
 def load_row_model(opts, mode=None):
-    """The target (mode None) or its quantized copy, from the checkpoint or (--random_weights) made up."""
+    """The target (mode None) or its quantized copy, from the checkpoint or (--random_weights) made up.
+    Each is loaded once: the rows of one target share its weights."""
+    if mode not in LOADED:
+        LOADED[mode] = load_target(opts, mode)
+    return LOADED[mode]
+
+
+LOADED = {}  # target mode (None: the checkpoint itself) or draft row kind -> model
+
+
+def load_target(opts, mode):
     if opts.random_weights:
         return random_model(opts.random_weights, opts.device, DTYPES[opts.dtype], mode, opts.backend)
     path = quantized_path(opts.checkpoint_path, mode) if mode else opts.checkpoint_path
@@ -132,14 +150,29 @@ def quantized_path(checkpoint_path, mode):
     return path
 
 
-DRAFTERS = ("self", "random", "ngram", "draft", *quantize.MODES)
+DRAFTERS = ("self", "random", "ngram", "draft", *quantize.MODES, *(f"draft.{mode}" for mode in quantize.MODES))
+
+
+def split_row(row, default_k):
+    """quant-MODE+spec-DRAFTER-K -> (target mode or None, drafter or None, K or None)."""
+    mode, spec = None, row
+    if row.startswith("quant-"):
+        mode, _, spec = row[6:].partition("+")
+    if not spec.startswith("spec-"):
+        return mode, None, None
+    drafter, _, k = spec[5:].partition("-")
+    k = k or default_k
+    return mode, drafter, k if k == "auto" else int(k)
 
 
 def spec_k(row, default):
     """K of a spec-DRAFTER[-K] row: an int or "auto"."""
-    parts = row.split("-", 2)
-    k = parts[2] if len(parts) > 2 else default
-    return k if k == "auto" else int(k)
+    return split_row(row, default)[2]
+
+
+def draft_path(opts, drafter):
+    """The draft row's file: --draft_checkpoint, or (draft.MODE) its quantize.py file."""
+    return quantized_path(opts.draft_checkpoint, drafter[6:]) if "." in drafter else opts.draft_checkpoint
 
 
 def check_rows(rows, opts):
@@ -164,43 +197,49 @@ def check_rows(rows, opts):
             raise InputError(f"--rows {row}: needs real weights; drop it with --random_weights")
         if opts.device != "cpu" and row == "llama.cpp":
             raise InputError(f"--rows llama.cpp runs on the CPU; drop it with --device {opts.device}")
-        if row.startswith("quant-"):
-            if row[6:] not in quantize.MODES:
-                raise InputError(f"--rows {row}: unknown mode '{row[6:]}'; use quant-MODE with MODE one of "
+        mode, drafter, _ = split_row(row, "1") if row.startswith(("quant-", "spec-")) else (None, None, None)
+        if mode is not None:
+            if mode not in quantize.MODES:
+                raise InputError(f"--rows {row}: unknown mode '{mode}'; use quant-MODE with MODE one of "
                                  f"{', '.join(quantize.MODES)}")
             if not opts.random_weights:
-                quantized_path(opts.checkpoint_path, row[6:])
-        elif row.startswith("spec-"):
-            drafter, *k = row[5:].split("-", 1)
+                quantized_path(opts.checkpoint_path, mode)
+        if row.startswith("spec-") or "+" in row:
+            spec = row.partition("+")[2] if "+" in row else row
+            if not spec.startswith("spec-"):
+                raise InputError(f"--rows {row}: after '+' comes a speculative row, spec-DRAFTER[-K]")
+            drafter, _, k = spec[5:].partition("-")
             if drafter not in DRAFTERS:
-                raise InputError(f"--rows {row}: unknown drafter '{drafter}'; use one of {', '.join(DRAFTERS)}")
-            k = k[0] if k else opts.speculate_k
+                raise InputError(f"--rows {row}: unknown drafter '{drafter}'; use self, random, ngram, draft, "
+                                 "draft.MODE or MODE (MODE a quantize.py mode)")
+            k = k or opts.speculate_k
             if k != "auto" and not (k.isdigit() and 1 <= int(k) <= MAX_SPECULATE_K):
                 raise InputError(f"--rows {row}: K '{k}' must be auto or an integer, at least 1 and at most "
                                  f"{MAX_SPECULATE_K}")
             if drafter in quantize.MODES and not opts.random_weights:
                 quantized_path(opts.checkpoint_path, drafter)
-            if drafter == "draft":
+            if drafter.startswith("draft"):
                 if not opts.draft_checkpoint:
                     raise InputError(f"--rows {row}: needs --draft_checkpoint PATH")
                 resolve_checkpoint(opts.draft_checkpoint)
-        elif row == "llama.cpp" and not opts.gguf:
+                draft_path(opts, drafter)
+        if row.startswith(("quant-", "spec-")):
+            continue
+        if row == "llama.cpp" and not opts.gguf:
             raise InputError("--rows llama.cpp needs --gguf PATH")
         elif row not in ("compiled", "eager", "hf", "hf-draft", "llama.cpp"):
-            raise InputError(f"--rows: unknown row '{row}'; use compiled, eager, hf, quant-MODE, llama.cpp, "
-                             "spec-DRAFTER[-K]")
+            raise InputError(f"--rows: unknown row '{row}'; use compiled, eager, hf, hf-draft, quant-MODE, llama.cpp, "
+                             "spec-DRAFTER[-K], quant-MODE+spec-DRAFTER[-K]")
 
 
 def make_drafter(kind, opts, vocab_size, compiled):
-    if kind == "draft":  # another model of the same vocabulary: --draft_checkpoint (a quantize.py file of it too)
-        return ModelDrafter(load_model(opts.draft_checkpoint, opts.device, DTYPES[opts.dtype], backend=opts.backend),
-                            compile=compiled)
-    if kind in quantize.MODES:  # a quantized copy of the target: lossless speculation without a second model
-        return ModelDrafter(load_row_model(opts, kind), compile=compiled)
+    if kind.startswith("draft") or kind in quantize.MODES or kind == "self":
+        # a model of its own (never the target's object: a draft's cache is its own), shared by the rows it drafts
+        if f"drafter {kind}" not in LOADED:
+            LOADED[f"drafter {kind}"] = load_drafter_model(kind, opts)
+        return ModelDrafter(LOADED[f"drafter {kind}"], compile=compiled)
     if kind == "ngram":
         return NgramDrafter()
-    if kind == "self":  # the target as its own draft: everything is accepted; measures the overhead
-        return ModelDrafter(load_row_model(opts), compile=compiled)
     # random: a random-weight draft of the same vocabulary (--draft_config's shapes): almost nothing is accepted,
     # but the draft's cost c and the verify's v are real
     torch.manual_seed(0)
@@ -212,6 +251,14 @@ def make_drafter(kind, opts, vocab_size, compiled):
     with torch.device(opts.device):
         draft = Transformer(args).to(DTYPES[opts.dtype]).eval()
     return ModelDrafter(draft, compile=compiled)
+
+
+def load_drafter_model(kind, opts):
+    if kind.startswith("draft"):  # another model of the same vocabulary: --draft_checkpoint (or its quantized file)
+        return load_model(draft_path(opts, kind), opts.device, DTYPES[opts.dtype], backend=opts.backend)
+    # MODE: a quantized copy of the target, lossless speculation without a second model; self: the target itself,
+    # everything accepted (measures the overhead)
+    return load_target(opts, None if kind == "self" else kind)
 
 
 def llama_cpp(gguf, texts, new_tokens):
@@ -271,14 +318,31 @@ class BusyProcess:
 
 
 def set_up(rows, opts, model, prompts, step_bytes):
-    """Per row: (name, bytes a step reads, warm-up seconds, run, whether compiled)."""
-    setups = []
+    """Per row: [name, bytes a step reads, warm-up seconds, run, whether compiled, the row its tokens must equal]."""
+    by_target = {}  # the spec rows' K per target: its cache sized once for every row that shares it
     for row in rows:
-        row_bytes, compiled = step_bytes, True
-        if row.startswith("quant-"):
-            quantized = load_row_model(opts, row[6:])
+        mode, drafter, k = split_row(row, opts.speculate_k) if row.startswith(("quant-", "spec-")) else (0, 0, 0)
+        if drafter:
+            by_target.setdefault(mode, []).append(k)
+    for mode, ks in by_target.items():  # (a new size would recompile the rows compiled before it)
+        presize_caches(load_row_model(opts, mode), True, 1, max(map(len, prompts)), opts.max_new_tokens,
+                       "auto" if "auto" in ks else max(ks))
+    setups, plain_rows = [], {}
+    for row in rows:
+        row_bytes, compiled, target_row = step_bytes, True, False
+        mode, drafter, k = split_row(row, opts.speculate_k) if row.startswith(("quant-", "spec-")) else (0, 0, 0)
+        if drafter:  # spec-DRAFTER-K or quant-MODE+spec-DRAFTER-K
+            compiled = not opts.eager_spec
+            target = load_row_model(opts, mode)
+            row_bytes = model_bytes_per_step(target)
+            warm, run = ours(target, prompts, opts.max_new_tokens, compiled,
+                             make_drafter(drafter, opts, model.args.vocab_size, compiled), k)
+            target_row = mode
+        elif row.startswith("quant-"):
+            quantized = load_row_model(opts, mode)
             row_bytes = model_bytes_per_step(quantized)
             warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
+            plain_rows.setdefault(mode, len(setups))
         elif row == "llama.cpp":
             texts = [task["prompt"] for task in humaneval_tasks(opts.num_prompts)]
             warm, run = llama_cpp(opts.gguf, texts, opts.max_new_tokens)
@@ -291,14 +355,14 @@ def set_up(rows, opts, model, prompts, step_bytes):
                                                                         DTYPES[opts.dtype], backend="torch"))
             warm, run = hf_generate(to_hf_model(model), prompts, opts.max_new_tokens, assistant)
             compiled = False
-        else:  # spec-DRAFTER[-K]
-            compiled = not opts.eager_spec
-            drafter = make_drafter(row.split("-")[1], opts, model.args.vocab_size, compiled)
-            warm, run = ours(model, prompts, opts.max_new_tokens, compiled, drafter, spec_k(row, opts.speculate_k))
+        if row in ("compiled", "eager"):
+            plain_rows.setdefault(None, len(setups))
         name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate",
                 "hf-draft": "transformers assisted"}.get(row, row)
-        setups.append((name, row_bytes, warm, run, compiled))
+        setups.append([name, row_bytes, warm, run, compiled, target_row])
         print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
+    for setup in setups:  # the row whose tokens this row's must equal: its target's plain row, else the first
+        setup[5] = plain_rows.get(setup[5]) if setup[5] is not False else 0
     return setups
 
 
@@ -317,25 +381,31 @@ def timed_turns(setups, n_prompts, runs, contended=False):
     return tuple(results[busy] for busy in loads)
 
 
-def same_tokens(results, j, runs):
-    return sum(a[1] == b[1] for a, b in zip(results[j][::runs], results[0][::runs]))
+def same_tokens(results, j, runs, baseline=0, also=None) -> str:
+    """'same/prompts' against the baseline row (the fewer of results and also); '-' where the row's target has no
+    plain row to compare with."""
+    if baseline is None:
+        return "-"
+    same = min(sum(a[1] == b[1] for a, b in zip(r[j][::runs], r[baseline][::runs])) for r in (results, also or results))
+    return f"{same}/{len(results[0]) // runs}"
 
 
 def report(setups, results, bandwidth, runs):
+    w = max(24, *(len(setup[0]) for setup in setups))
     rates = [[rate for rate, _, _ in row] for row in results]
     first = statistics.median(rates[0])
     # Each turn (a prompt and a run) times every row within seconds: its ratios show the drift the median hides.
-    print(f"| {'row':<24} | {'tok/s':>7} | {'GB/s':>6} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
+    print(f"| {'row':<{w}} | {'tok/s':>7} | {'GB/s':>6} | {'% bandwidth':>11} | {'vs first':>8} | {'per turn':>11} | "
           f"{'compile s':>9} | same tokens |")
-    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 8}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
+    print(f"|{'-' * (w + 2)}|{'-' * 9}|{'-' * 8}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
     spec_lines = []
-    for j, (name, row_bytes, warm, _, compiled) in enumerate(setups):
+    for j, (name, row_bytes, warm, _, compiled, baseline) in enumerate(setups):
         rate = statistics.median(rates[j])
         compile_s = f"{warm:.1f}" if compiled else "-"
         turns = [a / b for a, b in zip(rates[j], rates[0])]
-        print(f"| {name:<24} | {rate:7.2f} | {row_bytes * rate / 1e9:6.1f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
+        print(f"| {name:<{w}} | {rate:7.2f} | {row_bytes * rate / 1e9:6.1f} | {100 * row_bytes * rate / 1e9 / bandwidth:10.1f}% | "
               f"{rate / first:7.2f}x | {f'{min(turns):.2f}-{max(turns):.2f}x':>11} | {compile_s:>9} | "
-              f"{same_tokens(results, j, runs)}/{len(results[0]) // runs} |", flush=True)
+              f"{same_tokens(results, j, runs, baseline):>11} |", flush=True)
         stats = [s for _, _, s in results[j]]
         if "alpha" in stats[0]:
             alpha = statistics.mean(s["alpha"] for s in stats)
@@ -344,32 +414,33 @@ def report(setups, results, bandwidth, runs):
             predicted = expected_speedup(alpha, c, k)
             # v: one verify round in plain decode steps of the first row
             verify_cost = statistics.mean(s["verify_s_per_round"] for s in stats) * first
-            spec_lines.append(f"| {name:<24} | {k:>2} | {alpha:.3f} | {c:.3f} | {verify_cost:5.2f} | "
+            spec_lines.append(f"| {name:<{w}} | {k:>2} | {alpha:.3f} | {c:.3f} | {verify_cost:5.2f} | "
                               f"{rate / first:8.2f}x | {predicted:9.2f}x | {predicted / verify_cost:11.2f}x |")
     if spec_lines:
         print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / "
               "((1 - a)(K c + 1)) with c = draft step / verify time; v = verify time / plain step time; "
               "last column = predicted / v")
-        print(f"| {'row':<24} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
-        print(f"|{'-' * 26}|----|-------|-------|-------|----------|-----------|-------------|")
+        print(f"| {'row':<{w}} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
+        print(f"|{'-' * (w + 2)}|----|-------|-------|-------|----------|-----------|-------------|")
         print("\n".join(spec_lines))
 
 
 def report_contended(setups, idle, busy, runs):
     """Idle and busy speeds side by side; threads: how many our decode loop ended with beside the busy process."""
+    w = max(24, *(len(setup[0]) for setup in setups))
     first_idle, first_busy = (statistics.median(r[0] for r in results[0]) for results in (idle, busy))
-    print(f"| {'row':<24} | {'idle tok/s':>10} | {'busy tok/s':>10} | {'busy / idle':>11} | {'threads busy':>12} | "
+    print(f"| {'row':<{w}} | {'idle tok/s':>10} | {'busy tok/s':>10} | {'busy / idle':>11} | {'threads busy':>12} | "
           f"{'vs first idle':>13} | {'vs first busy':>13} | same tokens |")
-    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 13}|{'-' * 14}|{'-' * 15}|{'-' * 15}|-------------|")
-    for j, (name, *_) in enumerate(setups):
+    print(f"|{'-' * (w + 2)}|{'-' * 12}|{'-' * 12}|{'-' * 13}|{'-' * 14}|{'-' * 15}|{'-' * 15}|-------------|")
+    for j, (name, *_, baseline) in enumerate(setups):
         rate_idle, rate_busy = (statistics.median(r[0] for r in results[j]) for results in (idle, busy))
         threads = [s["threads"] for _, _, s in busy[j] if s.get("threads")]
         threads = f"{min(threads)}-{max(threads)}" if threads and min(threads) != max(threads) else \
             str(threads[0]) if threads else "-"
-        same = min(same_tokens(idle, j, runs), same_tokens(busy, j, runs))
-        print(f"| {name:<24} | {rate_idle:10.2f} | {rate_busy:10.2f} | {100 * rate_busy / rate_idle:10.0f}% | "
+        same = same_tokens(idle, j, runs, baseline, also=busy)
+        print(f"| {name:<{w}} | {rate_idle:10.2f} | {rate_busy:10.2f} | {100 * rate_busy / rate_idle:10.0f}% | "
               f"{threads:>12} | {rate_idle / first_idle:12.2f}x | {rate_busy / first_busy:12.2f}x | "
-              f"{same}/{len(idle[0]) // runs} |", flush=True)
+              f"{same:>11} |", flush=True)
 
 
 def bench(opts):
@@ -396,10 +467,6 @@ def bench(opts):
           f"{max(map(len, prompts))} tokens), {opts.max_new_tokens} new tokens, "
           f"{opts.runs} runs each{', idle and beside a busy process' if opts.contended else ''}")
     print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
-    ks = [spec_k(row, opts.speculate_k) for row in rows if row.startswith("spec-")]
-    if ks:  # the target's cache sized once for every row that shares it: a new size would recompile the others
-        presize_caches(model, True, 1, max(map(len, prompts)), opts.max_new_tokens,
-                       "auto" if "auto" in ks else max(ks))
     setups = set_up(rows, opts, model, prompts, step_bytes)
     results = timed_turns(setups, len(prompts), opts.runs, opts.contended)
     if opts.contended:

@@ -24,6 +24,29 @@ def test_contended_reports_idle_and_busy_side_by_side(smollm2):
     assert [line.split("|")[1].strip() for line in table[1:]] == ["ours, compiled", "spec-ngram-4"]
 
 
+def test_quantized_targets_and_drafts_side_by_side(quantized, tmp_path):
+    """The pair's rows on SmolLM2 drafting for itself: a quantized target (quant-int8) plain and drafted by the draft's
+    quantized file (spec-draft.int4-3), whose tokens are compared with its own target's plain row; a quantized
+    target without its plain row has nothing to compare with ('-')."""
+    ckpt = quantized["int8"].parent
+    rows = "compiled,quant-int8,spec-draft.int8-3,quant-int8+spec-draft.int4-3,quant-int4+spec-ngram"
+    result = cli("--checkpoint_path", str(ckpt), "--draft_checkpoint", str(ckpt), "--rows", rows, "--num_prompts",
+                 "2", "--runs", "1", "--max_new_tokens", "16", script="scripts/bench.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    speed_table = result.stdout.split("speculative rows")[0]
+    table = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in speed_table.splitlines()
+             if line.startswith("| ") and "tok/s" not in line}
+    assert table["spec-draft.int8-3"] == "2/2" and table["quant-int8+spec-draft.int4-3"] == "2/2"
+    assert table["quant-int4+spec-ngram"] == "-"
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):  # a draft without quantized files
+        (tmp_path / name).symlink_to(ckpt / name)
+    for bad, words in (("quant-int8+spec-draft.int3-2", ("unknown drafter 'draft.int3'",)),
+                       ("quant-int8+ngram", ("after '+' comes a speculative row",)),
+                       ("spec-draft.mxfp6", (str(tmp_path / "model.mxfp6.safetensors"), "not found"))):
+        assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--draft_checkpoint", str(tmp_path), "--rows", bad,
+                                  script="scripts/bench.py"), *words)
+
+
 def test_random_weights_need_no_checkpoint(tmp_path):
     """--random_weights CONFIG: the shapes of a config.json with random weights, quantized in memory for quant-MODE
     rows and copied for spec-self / spec-MODE drafts (every draft accepted: alpha 1)."""

@@ -241,3 +241,14 @@ def test_a_bad_groupsize_in_the_metadata_is_one_line(quantized, tmp_path):
               metadata=dict(metadata, groupsize="abc"))
     assert_one_line_error(cli("--checkpoint_path", str(tmp_path / "model.int4.safetensors")), "groupsize 'abc'",
                           "re-run quantize.py")
+
+
+def test_mx_quantizes_in_row_chunks_to_the_same_codes():
+    """MXLinear.quantize works through a weight a few rows at a time (its peak memory): the codes and scales are the
+    whole weight's, in every MX format."""
+    torch.manual_seed(0)
+    w = torch.randn(300, 64).bfloat16()
+    for mode, fmt in quantize.MX_MODES.items():
+        whole = quantize.MXLinear.quantize(w, fmt, "rceil", rows=10**6)
+        chunked = quantize.MXLinear.quantize(w, fmt, "rceil", rows=7)
+        assert all(torch.equal(whole[k], chunked[k]) for k in whole), mode

@@ -51,15 +51,15 @@ def test_the_pair_is_what_was_recorded(qwen_pair):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_pair_speculates_exactly(qwen_pair, dtype):
-    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, at K = 1, 4, 7 and 16, a
-    batch of 3 and one prompt alone."""
+    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, a batch of 3 at K = 4 and 16
+    and one prompt alone at every other K up to 16 (bf16; fp32 at 1, 4, 7 and 16)."""
     target_dir, draft_dir = qwen_pair
     tokenizer = Tokenizer(target_dir)
     prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
     target, draft = load_model(target_dir, "cpu", dtype), load_model(draft_dir, "cpu", dtype)
     drafter = ModelDrafter(draft)
     plain, _ = generate(target, prompts, 40, Steps())
-    for k in (1, 4, 7, 16):
+    for k in range(1, 17) if dtype == torch.bfloat16 else (1, 4, 7, 16):
         batch = prompts if k in (4, 16) else prompts[:1]
         rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
         assert rows == plain[:len(batch)], k
@@ -88,6 +88,68 @@ def test_quantized_drafts_keep_the_pair_exact(qwen_pair, tmp_path):
         assert stats["alpha"] > 0.3, (mode, stats)
         del drafter
         gc.collect()
+
+
+def test_quantized_targets_keep_their_own_output(qwen_pair, tmp_path):
+    """The 1.5B quantized by quantize.py (int8, int4, mxfp6) is another target: drafted by the 0.5B (int4), K = 4,
+    a batch of 3, its output is token for token that quantized target's own plain output."""
+    import quantize
+    target_dir, draft_dir = qwen_pair
+    tokenizer = Tokenizer(target_dir)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
+    for source, directory in ((target_dir, tmp_path / "target"), (draft_dir, tmp_path / "draft")):
+        directory.mkdir()
+        for name in ("config.json", "tokenizer.json"):  # a quantized file is read beside its model's config
+            (directory / name).symlink_to(source / name)
+    draft_file = quantize.quantize_checkpoint(draft_dir, "int4", output=tmp_path / "draft" / "model.int4.safetensors",
+                                              progress=False)
+    drafter = ModelDrafter(load_model(draft_file, "cpu", torch.bfloat16))
+    for mode in ("int8", "int4", "mxfp6"):
+        path = quantize.quantize_checkpoint(target_dir, mode, output=tmp_path / "target" / f"model.{mode}.safetensors",
+                                            progress=False)
+        target = load_model(path, "cpu", torch.bfloat16)
+        plain, _ = generate(target, prompts, 32, Steps())
+        rows, stats = generate(target, prompts, 32, Steps(), drafter=drafter, speculate_k=4)
+        assert rows == plain, mode
+        assert stats["alpha"] > 0.3, (mode, stats)
+        del target
+        path.unlink()
+        gc.collect()
+
+
+def test_the_acceptance_rule_keeps_the_targets_law_on_the_pairs_distributions(qwen_pair):
+    """The sampled law on real distributions: p from the 1.5B and q from the 0.5B (bf16) at temperature 1, top-k 64,
+    at the position of a HumanEval prompt where the target is least sure. Drafts drawn from q, accept() at K = 2:
+    the first emitted token's law is within 0.015 of p in total variation (400,000 draws: the sampling error is
+    ~0.007), while q itself is over 0.05 away (a rule that accepted every draft would fail). p and q are zero outside
+    their top 64s, so the rule runs on the union of those (the draws' law is the same as over all 151,936)."""
+    from sampling import logits_to_probs
+    from speculative import accept
+    target_dir, _ = qwen_pair
+    prompt = Tokenizer(target_dir).encode(humaneval_tasks(1)[0]["prompt"])
+    logits = []
+    for path in qwen_pair:
+        model = load_model(path, "cpu", torch.bfloat16, backend="torch")
+        model.setup_caches(1, len(prompt))
+        with torch.no_grad():
+            logits.append(model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0].float())
+        del model
+        gc.collect()
+    p_all, q_all = (logits_to_probs(x, 1.0, top_k=64) for x in logits)
+    where = p_all[-64:].max(-1).values.argmin().item() - 64  # the least sure of the last 64 positions
+    support = ((p_all[where] > 0) | (q_all[where] > 0) | (q_all[where + 1] > 0)).nonzero()[:, 0]
+    p, q, q2 = p_all[where, support], q_all[where, support], q_all[where + 1, support]
+    assert 0.5 * (p - q).abs().sum() > 0.05
+    torch.manual_seed(0)
+    n_draws, V = 400_000, len(support)
+    draft = torch.stack([torch.multinomial(q, n_draws, replacement=True),
+                         torch.multinomial(q2, n_draws, replacement=True)], 1)
+    qs = torch.stack([q, q2])[None].expand(n_draws, 2, V)
+    ps = torch.stack([p, p, p])[None].expand(n_draws, 3, V)  # positions after d1 do not change the first token
+    n, next_token = accept(draft, qs, ps, torch.rand(n_draws, 2), torch.empty(n_draws, V).exponential_(1))
+    first = torch.where(n > 0, draft[:, 0], next_token)
+    law = torch.bincount(first, minlength=V).double() / n_draws
+    assert 0.5 * (law - p).abs().sum() < 0.015
 
 
 def test_qwen2_tokenizer_matches_the_ggufs_own_on_all_humaneval_prompts(qwen_small_fp32):
@@ -157,3 +219,25 @@ def test_an_unsupported_gguf_architecture_is_one_line(tmp_path):
                                                           r"\(llama, qwen2\)"):
         convert(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_pair_under_tensor_parallelism_matches_one_process(qwen_pair, world, tmp_path):
+    """The 1.5B over 2 and 3 ranks (12 query heads; its 2 KV heads held twice where a rank's heads straddle them; at
+    3 ranks the MLP's 8960 rows in whole 256-row blocks, 2816 + 3072 + 3072), drafted by the replicated 0.5B (bf16):
+    the tokens of one process (also launched, so that this process holds none of the 1.5B in float32). Activations in
+    float32, as the other tensor-parallel tests."""
+    from test_tp import torchrun
+    target_dir, draft_dir = qwen_pair
+    prompt = Tokenizer(target_dir).encode(humaneval_tasks(1)[0]["prompt"])
+    case = dict(checkpoint=str(target_dir), draft=str(draft_dir), draft_dtype="bfloat16", prompts=[prompt],
+                max_new_tokens=16, speculate_k=4)
+    (tmp_path / "cases.json").write_text(json.dumps([case]))
+    results = []
+    for nproc in (1, world):
+        result = torchrun(nproc, "tests/tp_worker.py", tmp_path / "cases.json", tmp_path / f"{nproc}.json")
+        assert result.returncode == 0, result.stderr[-4000:]
+        results.append(json.loads((tmp_path / f"{nproc}.json").read_text())[0])
+    one, ranks = results
+    assert ranks["tokens"] == one["tokens"] and len(one["tokens"][0]) == 16
+    assert ranks["mean_accepted"] > 1 and len(ranks["weight_bytes"]) == world

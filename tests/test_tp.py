@@ -180,11 +180,18 @@ def test_bad_world_sizes_give_one_line_errors(smollm2, tiny):
                                          "needs a multiple of 16 at 8 ranks"):
         tp.shard(narrow, 0, 8)
     with torch.device("meta"):
-        odd_mlp = Transformer(ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4,
-                                        intermediate_size=90))
-    with pytest.raises(InputError, match="intermediate_size 90 does not split over 4 ranks; launch with "
-                                         "--nproc_per_node one of 1, 2, 3, 5, 6, 9, 10, 15, 18, 30, 45, 90"):
-        tp.shard(odd_mlp, 0, 4)
+        tiny_mlp = Transformer(ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4,
+                                         intermediate_size=3))
+    with pytest.raises(InputError, match="intermediate_size 3 does not split over 4 ranks; launch with "
+                                         "--nproc_per_node at most 3"):
+        tp.shard(tiny_mlp, 0, 4)
+
+
+def test_an_mlp_that_does_not_divide_splits_in_whole_blocks():
+    """Qwen2.5-1.5B's 8960 over 3 ranks: 256-row blocks (no int4 group or MX block cut), as even as they go."""
+    assert [tp.mlp_rows(8960, r, 3) for r in range(3)] == [slice(0, 2816), slice(2816, 5888), slice(5888, 8960)]
+    assert [tp.mlp_rows(90, r, 4) for r in range(4)] == [slice(0, 22), slice(22, 44), slice(44, 66), slice(66, 90)]
+    assert tp.mlp_rows(8960, 1, 2) == slice(4480, 8960)  # divisible: the even split, as before
 
 
 def test_head_plan_duplicates_kv_heads_only_where_needed():

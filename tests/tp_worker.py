@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=N tests/tp_worker.py CASES.json RESULTS.json
 
 Each case: checkpoint, optional draft (replicated, as generate.py does), prompts (token lists, one batch),
-max_new_tokens, speculate_k, compile. Rank 0 writes one result per case: the tokens of each row, and the
+max_new_tokens, speculate_k, compile, dtype and draft_dtype (torch dtype names, default float32). Rank 0 writes one result per case: the tokens of each row, and the
 weight bytes each rank held.
 """
 import json
@@ -23,10 +23,11 @@ from speculative import ModelDrafter  # noqa: E402
 def run_cases(cases, group=None):
     results = []
     for case in cases:
-        model = load_model(case["checkpoint"], "cpu", torch.float32, tp_group=group)
+        dtype, draft_dtype = (getattr(torch, case.get(key, "float32")) for key in ("dtype", "draft_dtype"))
+        model = load_model(case["checkpoint"], "cpu", dtype, tp_group=group)
         drafter = None
         if case.get("draft"):
-            drafter = ModelDrafter(load_model(case["draft"], "cpu", torch.float32), compile=case.get("compile", False))
+            drafter = ModelDrafter(load_model(case["draft"], "cpu", draft_dtype), compile=case.get("compile", False))
         rows, stats = generate(model, case["prompts"], case["max_new_tokens"], Steps(compile=case.get("compile", False)),
                                temperature=0.0, drafter=drafter, speculate_k=case.get("speculate_k", 3))
         held = [tp.weight_bytes(model)]

@@ -27,7 +27,8 @@ import tp
 from checkpoint import InputError, OneLineErrors, map_safetensors, no_random_init, resolve_checkpoint
 from model import ModelArgs, Transformer
 from sampling import sample
-from speculative import MAX_SPECULATE_K, AdaptiveK, ModelDrafter, NgramDrafter, speculative_decode, verify
+from speculative import (MAX_SPECULATE_K, AdaptiveK, ModelDrafter, NgramDrafter, compile_options,
+                         speculative_decode, verify)
 from tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -106,7 +107,7 @@ def model_bytes_per_step(model: Transformer) -> int:
     tensors = {id(p): p for p in model.parameters()}
     for module in model.modules():
         tensors.update({id(b): b for name, b in module.named_buffers(recurse=False)
-                        if name in ("weight", "scales", "scales_and_zeros")})
+                        if name in ("weight", "scales", "scales_and_zeros", "packed")})  # packed: gpu.py's int4
     for module in model.modules():
         if hasattr(module, "operands"):  # served by a backend: what it reads instead of the file's layout
             for name in ("weight", "scales", "scales_and_zeros"):
@@ -132,7 +133,7 @@ def decode_one_token(model, token, input_pos, temperature, top_k, top_p):
 
 class Step:
     """A step function (decode, verify), compiled or not: torch.compile(fullgraph=True) with Inductor's public
-    options, CUDA graphs on GPU ("reduce-overhead"), and without its size and alignment asserts, which re-checked
+    options (speculative.compile_options), CUDA graphs on GPU ("reduce-overhead"), and without its size and alignment asserts, which re-checked
     every weight's and kernel output's shape on each call (519 asserts in a SmolLM2 decode step, 1.1 ms of 17.3;
     weights cannot change under a loaded model). Every 16-bit rounding of the eager program is kept inside fused
     kernels (emulate_precision_casts): otherwise a verify graph and a decode graph fuse differently, round
@@ -146,9 +147,7 @@ class Step:
     def __init__(self, fn, compile=False, device="cpu"):
         self.fn, self.compiled = fn, None
         if compile:
-            options = {"triton.cudagraphs": str(device).startswith("cuda"), "size_asserts": False,
-                       "alignment_asserts": False, "emulate_precision_casts": True}
-            self.compiled = torch.compile(fn, fullgraph=True, options=options)
+            self.compiled = torch.compile(fn, fullgraph=True, options=compile_options(device))
 
     def __call__(self, model, *args):
         if self.compiled is None or getattr(model, "eager_steps", False):
@@ -217,7 +216,7 @@ def keeps_thread_count(fn):
 @keeps_thread_count
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
-             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5):
+             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5, sync_every=None):
     """Generate for a batch of prompts (ragged lengths allowed). Returns (new tokens per row, stats).
 
     Rows are right-padded; each row runs at its own positions, so padding is never attended and is
@@ -226,10 +225,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
     "auto": chosen online by speculative.AdaptiveK). Where its steps are single kernel calls (steps_in_one_call),
     the loop's threads follow the cores other processes leave free (cpu.ThreadSizer); stats["threads"] is how many it
-    ended with.
+    ended with. Plain decoding looks at its tokens on the host every `sync_every` steps (default: 8 on CUDA, where
+    each look waits for the GPU; 1 elsewhere): a row that ends within those steps has decoded past its end, and
+    those tokens are dropped.
     """
     adaptive = AdaptiveK() if speculate_k == "auto" else None
     device = model.output.weight.device
+    sync_every = sync_every or (8 if device.type == "cuda" else 1)
     B = len(prompts)
     if min(len(p) for p in prompts) == 0:
         raise InputError("empty prompt: give at least one token")
@@ -262,8 +264,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
         if drafter is None:
-            new = [[t] for t in steps.decode(model, token, pos, temperature, top_k, top_p).tolist()]
-            pos += active
+            # no row may pass its max_new_tokens (nor the cache): at most the fewest tokens a running row may add
+            chunk = min(sync_every, min(max_new_tokens - len(o) for o, d in zip(outputs, done) if not d))
+            produced = []
+            for _ in range(chunk):
+                # cloned: a CUDA graph's replay overwrites its previous outputs
+                token = steps.decode(model, token, pos, temperature, top_k, top_p).clone()
+                pos += active
+                produced.append(token)
+            new = torch.stack(produced, 1).tolist()  # one sync for the chunk
         else:
             # Under tensor parallelism every rank must verify the same K; timings differ between ranks.
             k = tp.from_rank0(adaptive.k) if adaptive else speculate_k
@@ -287,7 +296,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
             if adaptive and drafts == k:
                 adaptive.update(round_accepted, round_tried, timing[0] / k, timing[1])
             pos += (n + 1) * active  # a finished row stays where it is
-        rounds += 1
+        rounds += chunk if drafter is None else 1
         shown = len(outputs[0])
         for b in range(B):
             if done[b]:
@@ -298,7 +307,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
                 if t in eos_ids or len(outputs[b]) == max_new_tokens:
                     done[b] = True
                     break
-        token = torch.tensor([h[-1] for h in histories], device=device)
+        if drafter is not None:  # (plain decoding feeds its last step's tokens: a finished row's are not read)
+            token = torch.tensor([h[-1] for h in histories], device=device)
         if on_token and len(outputs[0]) > shown:
             on_token(outputs[0][shown:])
         sizer()

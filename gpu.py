@@ -62,26 +62,27 @@ def check_int4(model):
 
 def apply(model) -> bool:
     """Swap the int4 layers of a CUDA model for tinygemm ones, each checked against its reference forward on random
-    inputs; on a mismatch, restore the reference and print one warning line. -> whether the backend serves."""
+    inputs before it replaces it (the reference is dropped as it goes: no second copy of the model at the peak);
+    a layer that does not match keeps its reference, with one warning line. -> whether the backend serves any."""
     int4 = check_int4(model)
     if not int4:
         return False
     g = torch.Generator(device=int4[0][1].weight.device).manual_seed(0)
-    swapped = []
-    for name, ref in int4:
+    refused, total = [], len(int4)
+    while int4:
+        name, ref = int4.pop(0)
         fast = TinyGemmInt4Linear(ref)
         x = torch.randn(3, ref.weight.shape[1] * 2, generator=g, device=ref.weight.device, dtype=torch.bfloat16)
         with torch.no_grad():
             want, got = ref(x).float(), fast(x).float()
         error = ((got - want).norm() / want.norm()).item()
-        if not error <= TOLERANCE:
-            for parent, child_name, original in swapped:
-                setattr(parent, child_name, original)
-            warnings.warn(f"gpu backend refused: {name} on tinygemm is {error:.1e} (relative RMS) from its reference "
-                          f"forward; int4 runs the reference", stacklevel=2)
-            return False
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child_name, fast)
-        swapped.append((parent, child_name, ref))
-    return True
+        if error <= TOLERANCE:
+            parent_name, _, child_name = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child_name, fast)
+        else:
+            refused.append(f"{name} ({error:.1e})")
+        del ref, fast
+    if refused:
+        warnings.warn(f"gpu backend: {len(refused)} int4 layers on tinygemm are beyond {TOLERANCE} (relative RMS) "
+                      f"from their reference forward and run the reference: {', '.join(refused[:3])}", stacklevel=2)
+    return len(refused) < total

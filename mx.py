@@ -11,6 +11,7 @@ MXFP4 12.23 vs 13.93, MXINT8 5.133 vs 5.138. So the default is per format, the m
 E5M2 and E3M2 follow their lower weight error, `scale_rule_errors()`: rceil); quantize.py records the rule
 in the file's metadata and --mx_scale_rule overrides it.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,24 +35,34 @@ class ElementFormat:
     @property
     def values(self) -> torch.Tensor:
         """Value of every non-negative code, 0 .. 2^(bits-1)-1, in code order (ascending); NaN codes are NaN."""
-        codes = torch.arange(1 << (self.bits - 1), dtype=torch.float64)
+        return self.table()
+
+    def table(self, device=None) -> torch.Tensor:
+        """values, built on `device` (the codes' device: a table on the CPU cannot index CUDA codes; in a compiled
+        graph it is a constant)."""
+        codes = torch.arange(1 << (self.bits - 1), dtype=torch.float64, device=device)
         if not self.ebits:  # two's complement integer with an implicit 2^-6
             return (codes / 64).float()
         exp, man = codes.div(1 << self.mbits, rounding_mode="floor"), codes.remainder(1 << self.mbits)
         normal = torch.exp2(exp - self.bias) * (1 + man / (1 << self.mbits))
         subnormal = 2.0 ** (1 - self.bias) * man / (1 << self.mbits)
         values = torch.where(exp == 0, subnormal, normal)
-        values[list(self.nan_codes)] = float("nan")
-        return values.float()
+        nan = codes >= (1 << (self.bits - 1)) - len(self.nan_codes)  # NaN codes are the highest
+        return values.masked_fill(nan, float("nan")).float()
 
     @property
     def max_normal(self) -> float:
-        return self.values.nan_to_num(0).max().item()
+        """The largest value that is not NaN (plain Python: no tensor, so no device and no sync)."""
+        code = (1 << (self.bits - 1)) - 1 - len(self.nan_codes)  # NaN codes are the highest
+        if not self.ebits:
+            return code / 64
+        exp, man = code >> self.mbits, code & ((1 << self.mbits) - 1)
+        return 2.0 ** (exp - self.bias) * (1 + man / (1 << self.mbits))
 
     @property
     def emax(self) -> int:
         """Exponent of the largest normal, the spec's emax_elem."""
-        return torch.frexp(torch.tensor(self.max_normal)).exponent.item() - 1
+        return math.frexp(self.max_normal)[1] - 1
 
 
 FORMATS = {
@@ -71,8 +82,8 @@ def encode_elements(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     x = x.float()
     if not fmt.ebits:
         return (x * 64).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
-    values = fmt.values[: len(fmt.values) - len(fmt.nan_codes)]
-    mag = x.abs().clamp(max=values[-1].item())
+    values = fmt.table(x.device)[: (1 << (fmt.bits - 1)) - len(fmt.nan_codes)]
+    mag = x.abs().clamp(max=fmt.max_normal)  # the largest value that is not NaN
     below = (torch.searchsorted(values, mag, right=True) - 1).clamp(max=len(values) - 2)
     lo, hi = values[below], values[below + 1]
     # mag sits in [lo, hi]; the midpoint of two adjacent formats' values is exact in float32.
@@ -86,7 +97,8 @@ def decode_elements(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     """codes (uint8) -> float32 values."""
     if not fmt.ebits:
         return codes.view(torch.int8).float() / 64
-    table = torch.cat([fmt.values, -fmt.values])  # code with the sign bit set indexes the second half
+    values = fmt.table(codes.device)
+    table = torch.cat([values, -values])  # code with the sign bit set indexes the second half
     return table[codes.long()]
 
 

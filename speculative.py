@@ -16,6 +16,15 @@ from sampling import argmax, logits_to_probs
 MAX_SPECULATE_K = 32
 
 
+def compile_options(device) -> dict:
+    """torch.compile options of every step (generate.Step, the draft's step): see generate.Step. On CUDA also
+    CUDA graphs, and coordinate-descent tuning, which lets Inductor fuse int8's cast into the product (without it
+    aten.mm reads a bf16 copy of each weight written by a separate kernel; gpt-fast sets it too)."""
+    cuda = torch.device(device).type == "cuda"
+    return {"triton.cudagraphs": cuda, "coordinate_descent_tuning": cuda, "size_asserts": False,
+            "alignment_asserts": False, "emulate_precision_casts": True}
+
+
 def accept(draft, q, p, u, noise):
     """The acceptance rule, a pure function.
 
@@ -70,7 +79,8 @@ class ModelDrafter:
         self.step = self._step
         if compile and not getattr(model, "eager_steps", False):  # eager_steps: see generate.Step
             # a static graph for each of the two shapes, 1 and 2 tokens a row
-            self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
+            self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
+                                      options=compile_options(model.tok_embeddings.weight.device))
 
     @staticmethod
     def _step(model, tokens, input_pos, temperature, top_k, top_p):

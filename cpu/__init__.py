@@ -237,17 +237,23 @@ def check_and_serve(transformer, products, mapped, phases) -> str | None:
     phases["serve"] = time.perf_counter() - start
     around = canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state)
     if isinstance(transformer.forward, OneCallStep):
-        one_call = canary(transformer, transformer, state)
         if transformer.tok_embeddings.weight.dtype == torch.bfloat16:
-            off, bound = largest(around, one_call), 0.0  # it rounds where eager PyTorch rounds: the same bits
+            measure, bound = largest, 0.0  # it rounds where eager PyTorch rounds: the same bits
         elif any(rounds_inputs(m) for m in products):
-            off, bound = rms(around, one_call), TOLERANCE
+            measure, bound = rms, TOLERANCE
         else:
-            off, bound = largest(around, one_call), ONE_CALL_FP32
-        if off > bound:
-            restore(transformer, originals)
-            return (f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g}; did model.py's "
-                    "math change?)")
+            measure, bound = largest, ONE_CALL_FP32
+        off = measure(around, canary(transformer, transformer, state))
+        if off > bound:  # seen once (mxfp6 1.5B, bf16, in a busy bench process) and never again: look twice
+            again = measure(canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state),
+                            canary(transformer, transformer, state))
+            if again <= bound:
+                print(f"warning: CPU backend: its one-call step differed from model.py's forward by {off:.3g} once, "
+                      "and not when run again; it serves (please report this line)", file=sys.stderr)
+            else:
+                restore(transformer, originals)
+                return (f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g}; did "
+                        "model.py's math change?)")
     off = rms(expected, around)
     if off > TOLERANCE:
         restore(transformer, originals)

@@ -245,7 +245,7 @@ __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 #endif
 }
 
-// R = 1..7 input rows times weight rows n0 .. n1 - 1, one pass over each row: it streams one row of weights at a time.
+// R input rows (up to RowsPerPass) times weight rows n0 .. n1 - 1, one pass over each row: it streams one row of weights at a time.
 // Reading several weight rows side by side (a 4-row tile on AVX-512, 2 on AVX2) was slower on both AMD CPUs
 // measured: SmolLM2's products, 4 weight rows side by side vs one at a time, same process, bit-identical (Zen 4,
 // AVX-512, 2 threads), at 1 row: bf16 13.35 -> 7.73 ms, int8 7.52 -> 4.95; at 5 rows 15.87 -> 14.30 and 11.77 -> 10.43 (the
@@ -290,13 +290,15 @@ __attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_
   }
 }
 
+// The most input rows a pass (registers: see tile above): on AVX-512 8, so that a verify of K = 7 (8 rows) reads the
+// weights once. More rows a pass were slower: their inputs outgrow L1 (docs/performance.md, the rows of a forward).
 template <class Weight>
 struct RowsPerPass {
-  static constexpr int value = 7;
+  static constexpr int value = W == 16 ? 8 : 7;
 };
 template <class T, Factors F>
 struct RowsPerPass<DenseWeight<T, F>> {
-  static constexpr int value = W == 16 ? 7 : 3;
+  static constexpr int value = W == 16 ? 7 : 3;  // at 8 rows int8 products were 1.2x slower (Zen 4)
 };
 
 // The same for bf16 pairs (Bf16Pairs), x from pair_inputs: 32 weights a step. On Zen 4, against converting each
@@ -336,24 +338,24 @@ __attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput*
   }
 }
 
-// Weight rows n0 .. n1 - 1 times the M input rows, 7 rows a pass at most (RowsPerPass).
+// tile<r> for r = R .. RowsPerPass: one instantiation per row count.
+template <int R, class Weight, class X>
+inline void tile_of(int r, const Weight& weight, const X* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  if constexpr (R < RowsPerPass<Weight>::value) {
+    if (r > R) return tile_of<R + 1>(r, weight, x, K, N, n0, n1, y);
+  }
+  tile<R>(weight, x, K, N, n0, n1, y);
+}
+
+// Weight rows n0 .. n1 - 1 times the M input rows, in the fewest passes of RowsPerPass rows at most, rows split
+// evenly between passes.
 template <class Weight, class X>
 inline void rows(const Weight& weight, const X* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   constexpr int most = RowsPerPass<Weight>::value;
   const int64_t passes = (M + most - 1) / most;
   for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
     r = (M - m) / (passes - p);
-    const X* xm = x + m * K;
-    float* ym = y + m * N;
-    switch (r) {
-      case 1: tile<1>(weight, xm, K, N, n0, n1, ym); break;
-      case 2: tile<2>(weight, xm, K, N, n0, n1, ym); break;
-      case 3: tile<3>(weight, xm, K, N, n0, n1, ym); break;
-      case 4: tile<4>(weight, xm, K, N, n0, n1, ym); break;
-      case 5: tile<5>(weight, xm, K, N, n0, n1, ym); break;
-      case 6: tile<6>(weight, xm, K, N, n0, n1, ym); break;
-      default: tile<7>(weight, xm, K, N, n0, n1, ym); break;
-    }
+    tile_of<1>(int(r), weight, x + m * K, K, N, n0, n1, y + m * N);
   }
 }
 

@@ -110,8 +110,8 @@ def random_model(config, device, dtype, mode=None, backend="auto"):
     memory to mode, with the backend its device has."""
     args = ModelArgs.from_config(config)
     with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device=device).to(dtype).eval()  # never a float32 copy (27 GB for a 7B shape)
+        model = Transformer(args).to(dtype)  # in its dtype before it has memory: never a float32 copy (27 GB at 7B)
+    model = model.to_empty(device=device).eval()
     g = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -90,4 +90,5 @@ def test_a_quantized_load_holds_less_than_the_bf16_weights(smollm2, quantized):
         model = load_model(path, DEVICE, torch.bfloat16)
         sizes[name] = torch.cuda.max_memory_allocated() - base
         del model
-    assert sizes["int4"] < 0.5 * sizes["bf16"], sizes
+    # the int4 file (groups of 32) holds 0.523 of bf16's bytes: its bf16 embedding and the scales and zeros
+    assert sizes["int4"] < 0.6 * sizes["bf16"], sizes

@@ -314,3 +314,24 @@ def test_decoding_gives_a_core_to_a_busy_process(smollm2):
         busy.wait()
     assert idle["threads"] == most and loaded["threads"] == most - 1, (idle["threads"], loaded["threads"])
     assert torch.get_num_threads() == most
+
+
+def test_decoding_several_steps_between_host_syncs_gives_the_same_rows():
+    """sync_every (8 on CUDA: the host looks at the tokens once per 8 steps) changes nothing a caller sees: a ragged
+    batch whose rows end at an EOS inside a chunk, and one that runs to max_new_tokens, compiled and eager."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                                  max_seq_len=256)).eval()
+    prompts = [[1, 5, 9, 13, 17], [2, 4], [7, 7, 7, 3]]
+    free, _ = generate(model, prompts, 30, Steps())
+    eos = free[1][10]  # row 1 ends at its 11th token (inside the second chunk of 8); others where that token comes
+    expected, stats = generate(model, prompts, 30, Steps(), eos_ids=(eos,))
+    assert len(expected[1]) == 11 and expected[1][-1] == eos
+    for steps in (Steps(), Steps(compile=True)):
+        for sync_every in (3, 8, 64):
+            seen = []
+            rows, chunked = generate(model, prompts, 30, steps, eos_ids=(eos,), sync_every=sync_every,
+                                     on_token=seen.extend)
+            assert rows == expected, sync_every
+            assert seen == expected[0]
+            assert chunked["decode_steps"] >= stats["decode_steps"]  # past a row's end at most sync_every - 1

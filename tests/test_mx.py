@@ -116,3 +116,20 @@ def test_packing_round_trips_densely(bits):
     assert torch.equal(mx.unpack(packed, bits), codes)
     if bits == 4:
         assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)  # element 2i in the low nibble
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", *__import__("quantize").MX_MODES])
+def test_every_mode_quantizes_and_runs_off_the_cpu(mode):
+    """On another device the tables must be there too: the meta device checks devices as CUDA does (a CPU table
+    indexed by the codes' device raised 'Tensor on device meta is not on the expected device cpu'), and nothing may
+    read a value back to the host (a CUDA sync; a FakeTensor cannot). Quantize a weight there, and run the layer."""
+    import torch.nn as nn
+    import quantize
+    linear = nn.Linear(64, 32, bias=False, device="meta")
+    module = quantize.quantized_linear(mode, linear, 32)
+    tensors = quantize.quantize_tensor(mode, linear.weight, 32, mx.DEFAULT_RULE.get(quantize.MX_MODES.get(mode)))
+    assert all(t.device.type == "meta" for t in tensors.values())
+    module.load_state_dict(tensors, strict=False, assign=True)
+    assert module(torch.empty(2, 64, device="meta")).shape == (2, 32)
+    for fmt in mx.FORMATS.values():
+        assert fmt.max_normal == fmt.values.nan_to_num(0).max().item()

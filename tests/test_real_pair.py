@@ -241,3 +241,23 @@ def test_the_pair_under_tensor_parallelism_matches_one_process(qwen_pair, world,
     one, ranks = results
     assert ranks["tokens"] == one["tokens"] and len(one["tokens"][0]) == 16
     assert ranks["mean_accepted"] > 1 and len(ranks["weight_bytes"]) == world
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_one_line(qwen_pair, tmp_path, monkeypatch):
+    """The 0.5B's Q4_K tensors, as if the gguf package could not dequantize them: one line naming the first such
+    tensor and its type, before anything is written."""
+    import gguf.quants
+    monkeypatch.delitem(gguf.quants._type_traits, gguf.GGMLQuantizationType.Q4_K)
+    gguf_file = fetch_models.CHECKPOINTS / fetch_models.MODELS["qwen2.5-coder-0.5b"].file
+    with pytest.raises(fetch_models.cli.InputError, match=r"tensor '[\w.]+' is of type Q4_K, which the gguf package "
+                                                          "does not dequantize"):
+        convert(gguf_file, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_of_another_vocabulary_is_one_line(qwen_pair, smollm2):
+    """SmolLM2 (49,152 tokens) drafting for the 1.5B (151,936): refused in one line before either model loads."""
+    from test_generate import assert_one_line_error, cli
+    result = cli("--checkpoint_path", str(qwen_pair[0]), "--draft_checkpoint", str(smollm2[0]), "--prompt", "x",
+                 "--max_new_tokens", "4")
+    assert_one_line_error(result, "vocabulary")

@@ -199,7 +199,11 @@ def apply(transformer, mapped=None, phases=None) -> bool:
             return False
         start = time.perf_counter()
         release_file_pages(mapped.values())
-        serve(transformer, products, mapped)
+        one_call = known.get("one_call", True)
+        if isinstance(one_call, str):
+            print(f"warning: CPU backend: {one_call} (remembered from its check); steps run model.py's forward "
+                  "around its kernels", file=sys.stderr)
+        serve(transformer, products, mapped, not isinstance(one_call, str))
         phases["serve"] = time.perf_counter() - start
         return True
     say = tp.is_rank0()  # under torchrun, rank 0 speaks for all
@@ -208,7 +212,7 @@ def apply(transformer, mapped=None, phases=None) -> bool:
               "torch)...", end="", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        reason = check_and_serve(transformer, products, mapped, phases)
+        reason, one_call = check_and_serve(transformer, products, mapped, phases)
     except BaseException:
         if say:
             print(" interrupted", file=sys.stderr)
@@ -216,15 +220,19 @@ def apply(transformer, mapped=None, phases=None) -> bool:
     phases["check"] = time.perf_counter() - start - phases.get("serve", 0.0)
     if say:
         print(f" {'refused' if reason else 'serves'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    remember(key, reason)
+    if isinstance(one_call, str) and not reason:
+        print(f"warning: CPU backend: {one_call}; steps run model.py's forward around its kernels", file=sys.stderr)
+    remember(key, reason, one_call)
     if reason:
         warn(reason)
     return reason is None
 
 
-def check_and_serve(transformer, products, mapped, phases) -> str | None:
+def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, bool | str]:
     """The canary: model.py in PyTorch, then served (model.py's forward around the products and attention, and the
-    one-call step). None where the backend serves; else why not, with the model put back on model.py's modules."""
+    one-call step). -> (None where the backend serves, else why not, with the model put back on model.py's modules;
+    True where the one-call step serves, else why it does not: where it differs from the forward around the same
+    kernels, steps run that forward instead)."""
     transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
     with torch.no_grad():
         prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -236,29 +244,27 @@ def check_and_serve(transformer, products, mapped, phases) -> str | None:
     originals = serve(transformer, products, mapped)
     phases["serve"] = time.perf_counter() - start
     around = canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state)
-    if isinstance(transformer.forward, OneCallStep):
+    one_call = isinstance(transformer.forward, OneCallStep)
+    if one_call:
+        one_call_logits = canary(transformer, transformer, state)
         if transformer.tok_embeddings.weight.dtype == torch.bfloat16:
-            measure, bound = largest, 0.0  # it rounds where eager PyTorch rounds: the same bits
+            off, bound = largest(around, one_call_logits), 0.0  # it rounds where eager PyTorch rounds: the same bits
         elif any(rounds_inputs(m) for m in products):
-            measure, bound = rms, TOLERANCE
+            off, bound = rms(around, one_call_logits), TOLERANCE
         else:
-            measure, bound = largest, ONE_CALL_FP32
-        off = measure(around, canary(transformer, transformer, state))
-        if off > bound:  # seen once (mxfp6 1.5B, bf16, in a busy bench process) and never again: look twice
-            again = measure(canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state),
-                            canary(transformer, transformer, state))
-            if again <= bound:
-                print(f"warning: CPU backend: its one-call step differed from model.py's forward by {off:.3g} once, "
-                      "and not when run again; it serves (please report this line)", file=sys.stderr)
-            else:
-                restore(transformer, originals)
-                return (f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g}; did "
-                        "model.py's math change?)")
+            off, bound = largest(around, one_call_logits), ONE_CALL_FP32
+        if off > bound:
+            # Seen on Qwen2.5-Coder mxfp4 (bf16): 0.006-0.018, from layer 21 of 24 on (a SiLU or rounding edge case
+            # the one-call step meets otherwise than eager PyTorch); the kernels around model.py still serve.
+            del transformer.forward
+            transformer.__dict__.pop("eager_steps", None)
+            one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"
     off = rms(expected, around)
     if off > TOLERANCE:
         restore(transformer, originals)
-        return f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {TOLERANCE})"
-    return None
+        return f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {TOLERANCE})", \
+            False
+    return None, one_call
 
 
 # ---------------------------------------------------------------- the remembered verdict
@@ -335,19 +341,19 @@ def remembered(key) -> dict | None:
     return verdict if isinstance(verdict, dict) and "reason" in verdict else None
 
 
-def remember(key, reason):
+def remember(key, reason, one_call: bool | str = True):
     """Keep a verdict (written aside and renamed; a cache that cannot be written only costs the next check)."""
     try:
         directory = verdict_dir()
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"reason": reason, "torch": torch.__version__}) + "\n")
+        tmp.write_text(json.dumps({"reason": reason, "one_call": one_call, "torch": torch.__version__}) + "\n")
         os.replace(tmp, directory / f"{key}.json")
     except OSError:
         pass
 
 
-def serve(transformer, products, mapped) -> list:
+def serve(transformer, products, mapped, one_call=True) -> list:
     """Swap in the backend's modules layer by layer (runtime layouts, stacks, huge pages), give back each layer's
     file pages, and return what restore needs."""
     originals = [(m, type(m)) for m in products]
@@ -356,7 +362,7 @@ def serve(transformer, products, mapped) -> list:
     for layer in transformer.layers:
         originals.append((layer.attention, model.Attention))
         layer.attention.__class__ = Attention
-    one_call = one_call_possible(transformer, set(products)) and not edited(ONE_CALL)
+    one_call = one_call and one_call_possible(transformer, set(products)) and not edited(ONE_CALL)
     pages, step_products = HugePages(), []
     parts = [(f"layers.{i}.", layer) for i, layer in enumerate(transformer.layers)] + [("output.", transformer.output)]
     for prefix, part in parts:

@@ -19,7 +19,6 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from checkpoint import InputError, OneLineErrors, write_atomically, write_safetensors  # noqa: E402
 from model import ModelArgs  # noqa: E402
@@ -246,6 +245,7 @@ def to_hf_state_dict(ours: dict, args: ModelArgs) -> dict:
 
 def read_hf_weights(source: Path) -> dict:
     from safetensors import safe_open
+    from tqdm import tqdm
     files = sorted(source.glob("*.safetensors"))
     if files:
         weights = {}

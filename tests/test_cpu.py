@@ -529,14 +529,20 @@ def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, 
 def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsys):
     """The canary's second line of defence: QK-norm edited into Attention.forward with its fingerprint updated as if
     the one-call step implemented it (it does not): the one-call step's logits differ from model.py's forward, so
-    the backend refuses in one line and restores model.py's modules."""
+    the backend says so in one line and turns the one-call step off; the fork's forward runs around the kernels
+    (which the canary checked against PyTorch), and that verdict is remembered with it."""
     monkeypatch.setattr(model.Attention, "forward", qk_norm_forward)
     monkeypatch.setitem(cpu.ONE_CALL, "model.Attention.forward", cpu.fingerprint(qk_norm_forward))
     capsys.readouterr()
-    m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                          intermediate_size=96)).to(torch.bfloat16).eval()
-    assert not cpu.apply(m)
-    assert re.fullmatch(r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0; "
-                        r"did model.py's math change\?\); the model runs on model.py's PyTorch path\n",
+    for _ in range(2):  # checked, then remembered
+        torch.manual_seed(0)
+        m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                              intermediate_size=96)).to(torch.bfloat16).eval()
+        assert cpu.apply(m)
+        assert type(m.layers[0].attention) is modules.Attention and "forward" not in vars(m)
+        assert not getattr(m, "eager_steps", False)
+    assert re.fullmatch(r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0\); "
+                        r"steps run model.py's forward around its kernels\n"
+                        r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0\) "
+                        r"\(remembered from its check\); steps run model.py's forward around its kernels\n",
                         warnings_in(capsys.readouterr().err))
-    assert type(m.layers[0].attention) is model.Attention and "forward" not in vars(m)

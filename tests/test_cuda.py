@@ -1,94 +1,198 @@
-"""The CUDA path: skipped where CUDA is absent (this project's CI machines have no GPU).
+"""The CUDA path, checkable anywhere in minutes: tiny random models built here, synthetic prompts, nothing fetched,
+nothing imported beyond torch and this project (the lent GPU machine has PyTorch 2.11 with CUDA 13, no network, no
+pytest). Skipped under pytest where CUDA is absent. TEST_CUDA_DEVICE=cpu runs every check on the CPU with model.py
+alone (no CPU backend: Inductor compiles model.py, as it does on CUDA), to check the checks where no GPU is at hand.
 
-On a GPU: greedy speculation equals plain greedy decoding (bf16, compiled steps with CUDA graphs; SmolLM2's own int8
-copy and the n-gram drafter, K 4 and 16, one row and a ragged batch); every quantized mode's forward on the GPU
-in bf16 (int4 on tinygemm) matches the same file's reference forward on the CPU in fp32 (relative RMS of the logits
-below 3%); the compiled
-decode step compiles once across prompt lengths; speculative sampling keeps the target's distribution (the CPU
-test's bound); loading a quantized file allocates less GPU memory than the bf16 weights.
-TEST_CUDA_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves where no GPU is at hand).
+    python tests/test_cuda.py      # on the GPU machine: every check, one line each, exit status 1 if one fails
+    bash scripts/gpu_check.sh      # that, then the 7B-shaped bench rows, into one log (docs/cuda.md)
+
+The checks: greedy speculation == plain greedy (the target's int8 copy as a model drafter, and n-grams; K 4 and 16;
+each prompt alone and a ragged batch), all steps compiled (CUDA graphs on CUDA); each mode's compiled forward on the
+device in bf16 against the same quantized model's float32 reference on the CPU; the decode step compiled once across
+prompt lengths, with no CUDA-graph skip; the sampled law of speculation on the device; an int4 model's memory after
+packing (references freed) under 0.6 of bf16's.
 """
+import copy
+import functools
 import os
+import sys
+import time
+from pathlib import Path
 
-import pytest
 import torch
 
-from bench import humaneval_tasks
-from generate import Steps, generate, load_model
-from speculative import ModelDrafter, NgramDrafter
-from tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import quantize  # noqa: E402
+from generate import Steps, apply_backend, generate  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from sampling import logits_to_probs  # noqa: E402
+from speculative import ModelDrafter, NgramDrafter  # noqa: E402
 
 DEVICE = os.environ.get("TEST_CUDA_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="CUDA is absent (set TEST_CUDA_DEVICE=cpu to run these tests on the CPU)")
-NEW = 48
+ON_CUDA = torch.device(DEVICE).type == "cuda"
+# vocabulary, dims and heads that every mode takes (int4: tinygemm's multiples; MX: blocks of 32)
+ARGS = ModelArgs(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, intermediate_size=768, max_seq_len=512)
+NEW = 40
+
+try:
+    import pytest
+    pytestmark = pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(),
+                                    reason="CUDA is absent (TEST_CUDA_DEVICE=cpu runs these checks on the CPU)")
+except ImportError:  # the GPU machine: `python tests/test_cuda.py` runs the checks itself
+    pytest = None
 
 
-@pytest.fixture(scope="module")
-def target(smollm2):
-    ckpt, _ = smollm2
-    tokenizer = Tokenizer(ckpt)
-    model = load_model(ckpt, DEVICE, torch.bfloat16)
-    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(2)]
-    steps = Steps(compile=True, device=DEVICE)
-    plain = [generate(model, [p], NEW, steps)[0][0] for p in prompts]
-    return model, prompts, plain, steps
+@functools.cache
+def reference() -> Transformer:
+    """The float32 model on the CPU, random weights (seeded): what every device model is a copy of."""
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model = model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.08, generator=g)
+    model.tie_weights()
+    return model.eval()
 
 
-@pytest.mark.parametrize("k", [4, 16])
-def test_greedy_speculation_equals_plain_greedy(target, quantized, k):
-    model, prompts, plain, steps = target
-    drafters = {"int8": ModelDrafter(load_model(quantized["int8"], DEVICE, torch.bfloat16), compile=True),
-                "ngram": NgramDrafter()}
-    for name, drafter in drafters.items():
-        for prompt, expected in zip(prompts, plain):
-            rows, _ = generate(model, [prompt], NEW, steps, drafter=drafter, speculate_k=k)
-            assert rows[0] == expected, (name, k)
-        rows, _ = generate(model, prompts, NEW, steps, drafter=drafter, speculate_k=k)
-        assert rows == plain, (name, k, "batch")
+def quantized_reference(mode=None) -> Transformer:
+    """The reference, quantized by quantize.py's code (float32 on the CPU): the math a device copy must match."""
+    model = copy.deepcopy(reference())
+    return quantize.quantize_model(model, mode) if mode else model
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "mxfp6", "mxfp4"])
-def test_quantized_forward_matches_the_cpu_reference(smollm2, quantized, mode):
-    ckpt, _ = smollm2
-    tokens = torch.tensor([Tokenizer(ckpt).encode(humaneval_tasks(1)[0]["prompt"])])
-    logits = []
-    for device, dtype, backend in ((DEVICE, torch.bfloat16, "auto"), ("cpu", torch.float32, "torch")):
-        model = load_model(quantized[mode], device, dtype, backend=backend)
-        model.setup_caches(1, tokens.shape[1])
-        with torch.no_grad():
-            logits.append(model(tokens.to(device), torch.arange(tokens.shape[1], device=device)[None]).float().cpu())
-    error = (logits[0] - logits[1]).norm() / logits[1].norm()
-    assert error < 0.03, error  # bf16 against fp32: the CPU backend's bf16 steps measure 0.8-1.5%
+def on_device(mode=None) -> Transformer:
+    """A bf16 copy on the device, as load_model makes one (floating tensors cast, the device's backend applied on
+    CUDA; on the CPU model.py alone)."""
+    model = quantized_reference(mode).to(device=DEVICE, dtype=torch.bfloat16)
+    if ON_CUDA:
+        apply_backend(model)
+    return model.eval()
 
 
-def test_compiled_decode_compiles_once(smollm2):
-    ckpt, _ = smollm2
-    model = load_model(ckpt, DEVICE, torch.bfloat16)
-    steps = Steps(compile=True, device=DEVICE)
-    prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
-    generate(model, [prompts[0]], 8, steps)  # the compile; every later prompt fits the same 256-slot cache
+def prompts(lengths=(23, 37)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, ARGS.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_greedy_speculation_equals_plain_greedy():
+    target, steps = on_device(), Steps(compile=True, device=DEVICE)
+    plain = [generate(target, [p], NEW, steps)[0][0] for p in prompts()]
+    draft = on_device("int8")
+    for k in (4, 16):
+        for name, drafter in (("int8", ModelDrafter(draft, compile=True)), ("ngram", NgramDrafter())):
+            for prompt, expected in zip(prompts(), plain):
+                rows, stats = generate(target, [prompt], NEW, steps, drafter=drafter, speculate_k=k)
+                assert rows[0] == expected, (name, k)
+            rows, _ = generate(target, prompts(), NEW, steps, drafter=drafter, speculate_k=k)
+            assert rows == plain, (name, k, "batch")
+            if name == "int8":
+                assert stats["alpha"] > 0.5, stats  # its own int8 copy: most drafts accepted
+
+
+def test_each_mode_compiled_matches_the_float_reference():
+    """Logits of a 16-token prefill and one decode token, compiled on the device in bf16, against the same quantized
+    model in float32 on the CPU: relative RMS below 3% (bf16 rounding; int4 rounds activations in both)."""
+    tokens = torch.tensor([prompts((17,))[0]])
+    for mode in (None, "int8", "int4", "mxfp6", "mxfp4"):
+        logits = []
+        for model, device in ((on_device(mode), DEVICE), (quantized_reference(mode), "cpu")):
+            model.setup_caches(1, 32)
+            forward = torch.compile(model, fullgraph=True) if device == DEVICE else model
+            with torch.no_grad():
+                first = forward(tokens[:, :16].to(device), torch.arange(16, device=device)[None])
+                last = forward(tokens[:, 16:].to(device), torch.tensor([[16]], device=device))
+            logits.append(torch.cat([first, last], 1).float().cpu())
+        error = ((logits[0] - logits[1]).norm() / logits[1].norm()).item()
+        assert error < 0.03, (mode, error)
+
+
+def test_compiled_decode_compiles_once():
+    """Three prompt lengths in one cache size: one compile of each step, and (CUDA) no step left out of CUDA graphs."""
+    from torch._dynamo.utils import counters
+    model, steps = on_device(), Steps(compile=True, device=DEVICE)
+    generate(model, prompts((5,)), 8, steps)  # the compile; every later prompt fits the same cache
+    skips = counters["inductor"]["cudagraph_skips"]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for prompt in prompts[1:]:
+        for prompt in prompts((17, 40)):
             generate(model, [prompt], 8, steps)
+    assert counters["inductor"]["cudagraph_skips"] == skips == 0, dict(counters["inductor"])
+
+
+def sampled_total_variation(device) -> tuple[float, float]:
+    """-> total-variation distance from the exact joint law of two tokens, of plain sampling and of speculative
+    sampling (on device). A tiny target (vocabulary 8) and an unrelated draft, temperature 1, top-k 6."""
+    V, k, temperature, top_k = 8, 3, 1.0, 6
+    torch.manual_seed(0)
+    target = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   intermediate_size=64, max_seq_len=512)).eval()
+    draft = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                  intermediate_size=64, max_seq_len=512)).eval()
+    for m in (target, draft):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.5)
+    target, draft = target.to(device), draft.to(device)
+    prompt = [1, 5, 2]
+    with torch.no_grad():
+        target.setup_caches(1, 8)
+        first = logits_to_probs(target(torch.tensor([prompt], device=device), torch.arange(3, device=device)[None])[0, -1],
+                                temperature, top_k)
+        exact = torch.zeros(V, V, device=device)
+        for t1 in range(V):
+            target.setup_caches(1, 8)
+            logits = target(torch.tensor([prompt + [t1]], device=device), torch.arange(4, device=device)[None])[0, -1]
+            exact[t1] = first[t1] * logits_to_probs(logits, temperature, top_k)
+    exact = exact.cpu()
+
+    def empirical(drafter, seed):
+        torch.manual_seed(seed)
+        counts = torch.zeros(V, V)
+        for _ in range(8):
+            # k + 2 tokens: the first round drafts all k (a round drafts no more than a row can still emit)
+            rows, _ = generate(target, [prompt] * 5000, k + 2, Steps(), temperature=temperature, top_k=top_k,
+                               drafter=drafter, speculate_k=k)
+            pairs = torch.tensor([r[:2] for r in rows])
+            counts += torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).float()
+        return counts / counts.sum()
+
+    spec = empirical(ModelDrafter(draft), 1)
+    plain = empirical(None, 2)
+    return (0.5 * (plain - exact).abs().sum()).item(), (0.5 * (spec - exact).abs().sum()).item()
 
 
 def test_sampled_speculation_keeps_the_target_distribution():
-    from test_speculative import sampled_total_variation
     plain, spec = sampled_total_variation(DEVICE)
-    assert plain < 0.03 and spec < 0.03
+    assert plain < 0.03 and spec < 0.03, (plain, spec)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="measures GPU memory")
-def test_a_quantized_load_holds_less_than_the_bf16_weights(smollm2, quantized):
-    ckpt, _ = smollm2
+def test_an_int4_model_holds_under_0_6_of_bf16_after_packing():
+    """GPU memory of the bf16 model against its int4 copy once gpu.py has packed it (the references freed)."""
+    if not ON_CUDA:
+        return  # measures GPU memory
     sizes = {}
-    for name, path in (("bf16", ckpt), ("int4", quantized["int4"])):
+    for mode in (None, "int4"):
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        model = load_model(path, DEVICE, torch.bfloat16)
-        sizes[name] = torch.cuda.max_memory_allocated() - base
+        model = on_device(mode)
+        torch.cuda.synchronize()
+        sizes[mode] = torch.cuda.memory_allocated() - base
         del model
-    # the int4 file (groups of 32) holds 0.523 of bf16's bytes: its bf16 embedding and the scales and zeros
-    assert sizes["int4"] < 0.6 * sizes["bf16"], sizes
+    assert sizes["int4"] < 0.6 * sizes[None], sizes
+
+
+if __name__ == "__main__":
+    failed = 0
+    print(f"# {DEVICE}: {torch.cuda.get_device_name() if ON_CUDA else 'CPU'}, torch {torch.__version__}", flush=True)
+    for name, test in [(n, f) for n, f in list(globals().items()) if n.startswith("test_")]:
+        start = time.perf_counter()
+        try:
+            test()
+            print(f"ok   {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+        except Exception as e:  # one line each; the run goes on to the next check
+            failed += 1
+            print(f"FAIL {name} ({time.perf_counter() - start:.1f} s): {type(e).__name__}: {e}"[:2000], flush=True)
+    print(f"# {failed} failed" if failed else "# all passed")
+    sys.exit(1 if failed else 0)

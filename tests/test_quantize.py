@@ -252,3 +252,45 @@ def test_mx_quantizes_in_row_chunks_to_the_same_codes():
         whole = quantize.MXLinear.quantize(w, fmt, "rceil", rows=10**6)
         chunked = quantize.MXLinear.quantize(w, fmt, "rceil", rows=7)
         assert all(torch.equal(whole[k], chunked[k]) for k in whole), mode
+
+
+def test_bytes_per_step_count_what_each_backend_reads(quantized):
+    """model_bytes_per_step (the GB/s and % of bandwidth of every report): model.py's modules read their file
+    layouts; the CPU backend's modules their operands (mxfp4 expanded to a byte a code: more than the file); gpu.py's
+    int4 its packed codes and scales (counted as nothing before: int4's GB/s was ~5x low on CUDA). The embedding
+    table is not read by a step (one row of it)."""
+    import generate
+    import gpu
+
+    def total(tensors):
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+    for mode in ("int8", "int4", "mxfp6", "mxfp4"):
+        plain = load_model(quantized[mode], "cpu", torch.bfloat16, backend="torch")
+        files = [t for m in plain.modules() if m is not plain.tok_embeddings
+                 for t in [*m.parameters(recurse=False), *(b for n, b in m.named_buffers(recurse=False)
+                                                            if n in ("weight", "scales", "scales_and_zeros"))]]
+        assert generate.model_bytes_per_step(plain) == total(files), mode
+        served = load_model(quantized[mode], "cpu", torch.bfloat16)
+        reads = []
+        for m in served.modules():
+            if hasattr(m, "operands"):
+                reads += [t for t in m.operands()[:2] if t is not None] + ([m.bias] if m.bias is not None else [])
+            elif m is not served.tok_embeddings:
+                reads += list(m.parameters(recurse=False))
+        assert any(hasattr(m, "operands") for m in served.modules()), mode  # the backend serves it
+        assert generate.model_bytes_per_step(served) == total(reads), mode
+        if mode == "mxfp4":  # expanded codes: a byte each, where the file packs two
+            assert generate.model_bytes_per_step(served) > 1.5 * generate.model_bytes_per_step(plain)
+    # gpu.py's int4 (building one needs CUDA): the same codes and scales, repacked into a buffer named `packed`
+    model = load_model(quantized["int4"], "cpu", torch.bfloat16, backend="torch")
+    before = generate.model_bytes_per_step(model)
+    for name, ref in [(n, m) for n, m in model.named_modules() if type(m) is quantize.Int4Linear]:
+        fast = gpu.TinyGemmInt4Linear.__new__(gpu.TinyGemmInt4Linear)
+        nn.Module.__init__(fast)
+        fast.register_buffer("packed", ref.weight.view(torch.int32).clone())  # tinygemm's tiles: the same bytes
+        fast.register_buffer("scales_and_zeros", ref.scales_and_zeros.clone())
+        fast.bias = ref.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, fast)
+    assert generate.model_bytes_per_step(model) == before

@@ -10,6 +10,7 @@ from generate import Steps, generate, load_model
 from model import ModelArgs, Transformer
 from sampling import logits_to_probs
 from speculative import ModelDrafter, NgramDrafter, accept, verify
+from test_cuda import sampled_total_variation
 from test_generate import cli
 from tokenizer import Tokenizer
 
@@ -155,47 +156,6 @@ def test_sampled_speculation_matches_the_target_distribution():
     plain, spec = sampled_total_variation("cpu")
     assert plain < 0.03
     assert spec < 0.03
-
-
-def sampled_total_variation(device) -> tuple[float, float]:
-    """-> total-variation distance from the exact joint, of plain sampling and of speculative sampling (on device)."""
-    V, k, temperature, top_k = 8, 3, 1.0, 6
-    torch.manual_seed(0)
-    target = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                   intermediate_size=64, max_seq_len=512)).eval()
-    draft = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                                  intermediate_size=64, max_seq_len=512)).eval()
-    for m, scale in ((target, 0.5), (draft, 0.5)):
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0, scale)
-    target, draft = target.to(device), draft.to(device)
-    prompt = [1, 5, 2]
-    with torch.no_grad():
-        target.setup_caches(1, 8)
-        first = logits_to_probs(target(torch.tensor([prompt], device=device), torch.arange(3, device=device)[None])[0, -1],
-                                temperature, top_k)
-        exact = torch.zeros(V, V, device=device)
-        for t1 in range(V):
-            target.setup_caches(1, 8)
-            logits = target(torch.tensor([prompt + [t1]], device=device), torch.arange(4, device=device)[None])[0, -1]
-            exact[t1] = first[t1] * logits_to_probs(logits, temperature, top_k)
-    exact = exact.cpu()
-
-    def empirical(drafter, seed):
-        torch.manual_seed(seed)
-        counts = torch.zeros(V, V)
-        for _ in range(8):
-            # k + 2 tokens: the first round drafts all k (a round drafts no more than a row can still emit)
-            rows, _ = generate(target, [prompt] * 5000, k + 2, Steps(), temperature=temperature, top_k=top_k,
-                               drafter=drafter, speculate_k=k)
-            pairs = torch.tensor([r[:2] for r in rows])
-            counts += torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).float()
-        return counts / counts.sum()
-
-    spec = empirical(ModelDrafter(draft), 1)
-    plain = empirical(None, 2)
-    return (0.5 * (plain - exact).abs().sum()).item(), (0.5 * (spec - exact).abs().sum()).item()
 
 
 def test_cli_speculation_metrics_and_vocabulary_check(tiny, tmp_path):

@@ -93,9 +93,11 @@ def test_greedy_speculation_equals_plain_greedy():
 
 def test_each_mode_compiled_matches_the_float_reference():
     """Logits of a 16-token prefill and one decode token, compiled on the device in bf16, against the same quantized
-    model in float32 on the CPU: relative RMS below 3% (bf16 rounding; int4 rounds activations in both)."""
+    model in float32 on the CPU: relative RMS below 3% (bf16 rounding: 1.6-1.9% eager on the CPU), 6% for int4, whose
+    activations are rounded to 8 bits from bf16 inputs on one side and float32 on the other (4.5% eager)."""
     tokens = torch.tensor([prompts((17,))[0]])
     for mode in (None, "int8", "int4", "mxfp6", "mxfp4"):
+        torch.compiler.reset()  # a fresh compile per mode: five models' graphs would pass Dynamo's recompile limit
         logits = []
         for model, device in ((on_device(mode), DEVICE), (quantized_reference(mode), "cpu")):
             model.setup_caches(1, 32)
@@ -105,7 +107,7 @@ def test_each_mode_compiled_matches_the_float_reference():
                 last = forward(tokens[:, 16:].to(device), torch.tensor([[16]], device=device))
             logits.append(torch.cat([first, last], 1).float().cpu())
         error = ((logits[0] - logits[1]).norm() / logits[1].norm()).item()
-        assert error < 0.03, (mode, error)
+        assert error < (0.06 if mode == "int4" else 0.03), (mode, error)
 
 
 def test_compiled_decode_compiles_once():

@@ -133,15 +133,15 @@ def decode_one_token(model, token, input_pos, temperature, top_k, top_p):
 
 class Step:
     """A step function (decode, verify), compiled or not: torch.compile(fullgraph=True) with Inductor's public
-    options (speculative.compile_options), CUDA graphs on GPU ("reduce-overhead"), and without its size and alignment asserts, which re-checked
-    every weight's and kernel output's shape on each call (519 asserts in a SmolLM2 decode step, 1.1 ms of 17.3;
-    weights cannot change under a loaded model). Every 16-bit rounding of the eager program is kept inside fused
-    kernels (emulate_precision_casts): otherwise a verify graph and a decode graph fuse differently, round
-    differently, and a bf16 speculative run drifts from plain decoding (measured on SmolLM2 bf16: no cost).
-    A model whose backend made each step one kernel call says so (eager_steps: the CPU backend's one-call step)
-    and runs it as it is: compiled around that call, an int8 SmolLM2 decode step took 6.18 ms against 5.90
-    (Dynamo's entry and guards) after 4.6 s of compiling. (On CPU, Inductor's C++ wrapper, calling a compiled
-    step's kernels from C++: bf16 0.92-0.94x the time, mxfp6 1.13x, cold compiles ~2x as long, and no tp.py
+    options (speculative.compile_options), CUDA graphs on GPU ("reduce-overhead"), and without its size and
+    alignment asserts, which re-checked every weight's and kernel output's shape on each call (519 asserts in a
+    SmolLM2 decode step, 1.1 ms of 17.3; weights cannot change under a loaded model). Every 16-bit rounding of the
+    eager program is kept inside fused kernels (emulate_precision_casts): otherwise a verify graph and a decode
+    graph fuse differently, round differently, and a bf16 speculative run drifts from plain decoding (measured on
+    SmolLM2 bf16: no cost). A model whose backend made each step one kernel call says so (eager_steps: the CPU
+    backend's one-call step) and runs it as it is: compiled around that call, an int8 SmolLM2 decode step took 6.18
+    ms against 5.90 (Dynamo's entry and guards) after 4.6 s of compiling. (On CPU, Inductor's C++ wrapper, calling a
+    compiled step's kernels from C++: bf16 0.92-0.94x the time, mxfp6 1.13x, cold compiles ~2x as long, and no tp.py
     collectives; not used.)"""
 
     def __init__(self, fn, compile=False, device="cpu"):

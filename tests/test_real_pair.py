@@ -162,6 +162,18 @@ def test_qwen2_tokenizer_matches_the_ggufs_own_on_all_humaneval_prompts(qwen_sma
     assert ours.encode("<|endoftext|>x12345") == [151643, 87, 16, 17, 18, 19, 20]  # a control token; digits alone
 
 
+def test_qwen2_tokenizer_matches_llama_cpp_on_all_humaneval_prompts(qwen_pair):
+    """Against llama.cpp itself (llama-cpp-python, where installed: it builds from source, so it is not a
+    requirement; the test above holds the GGUF's vocabulary as transformers reads it): 164 texts, 30,863 tokens."""
+    lc = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional; builds from source)")
+    gguf = fetch_models.CHECKPOINTS / fetch_models.MODELS["qwen2.5-coder-0.5b"].file
+    llm = lc.Llama(str(gguf), vocab_only=True, verbose=False)
+    ours = Tokenizer(qwen_pair[1])
+    for task in humaneval_tasks():
+        text = task["prompt"] + task["canonical_solution"]
+        assert ours.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=False), task["task_id"]
+
+
 def test_qwen_small_logits_and_greedy_match_transformers(qwen_small_fp32):
     """model.py (--backend torch) on the converted 0.5B against transformers on the GGUF, float32: logits within
     1e-4 of the largest, 64 greedy tokens equal on 2 HumanEval prompts; the default backend's tokens equal too."""

@@ -254,8 +254,8 @@ def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, 
         else:
             off, bound = largest(around, one_call_logits), ONE_CALL_FP32
         if off > bound:
-            # Seen on Qwen2.5-Coder mxfp4 (bf16): 0.006-0.018, from layer 21 of 24 on (a SiLU or rounding edge case
-            # the one-call step meets otherwise than eager PyTorch); the kernels around model.py still serve.
+            # Seen on Qwen2.5-Coder mxfp4 (bf16): 0.006-0.018, from layer 21 of 24 on (not root-caused); the kernels
+            # around model.py still serve.
             del transformer.forward
             transformer.__dict__.pop("eager_steps", None)
             one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"

@@ -171,8 +171,11 @@ def test_sampled_speculation_keeps_the_target_distribution():
 
 def test_an_int4_model_holds_under_0_6_of_bf16_after_packing():
     """GPU memory of the bf16 model against its int4 copy once gpu.py has packed it (the references freed)."""
-    if not ON_CUDA:
-        return  # measures GPU memory
+    if not ON_CUDA:  # it measures GPU memory: skipped under pytest, said so when run as a script
+        if pytest:
+            pytest.skip("measures GPU memory")
+        print("     (the memory check needs CUDA: not checked)")
+        return
     sizes = {}
     for mode in (None, "int4"):
         torch.cuda.synchronize()

@@ -27,7 +27,7 @@ import tp
 from checkpoint import InputError, OneLineErrors, map_safetensors, no_random_init, resolve_checkpoint
 from model import ModelArgs, Transformer
 from sampling import sample
-from speculative import (MAX_SPECULATE_K, AdaptiveK, ModelDrafter, NgramDrafter, compile_options,
+from speculative import (MAX_SPECULATE_K, AdaptiveK, ModelDrafter, NgramDrafter, compile_step,
                          speculative_decode, verify)
 from tokenizer import Tokenizer
 
@@ -147,7 +147,7 @@ class Step:
     def __init__(self, fn, compile=False, device="cpu"):
         self.fn, self.compiled = fn, None
         if compile:
-            self.compiled = torch.compile(fn, fullgraph=True, options=compile_options(device))
+            self.compiled = compile_step(fn, device)
 
     def __call__(self, model, *args):
         if self.compiled is None or getattr(model, "eager_steps", False):
@@ -230,7 +230,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     those tokens are dropped.
     """
     adaptive = AdaptiveK() if speculate_k == "auto" else None
-    device = model.output.weight.device
+    device = model.tok_embeddings.weight.device
     sync_every = sync_every or (8 if device.type == "cuda" else 1)
     B = len(prompts)
     if min(len(p) for p in prompts) == 0:
@@ -268,8 +268,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
             chunk = min(sync_every, min(max_new_tokens - len(o) for o, d in zip(outputs, done) if not d))
             produced = []
             for _ in range(chunk):
-                # cloned: a CUDA graph's replay overwrites its previous outputs
-                token = steps.decode(model, token, pos, temperature, top_k, top_p).clone()
+                token = steps.decode(model, token, pos, temperature, top_k, top_p)
                 pos += active
                 produced.append(token)
             new = torch.stack(produced, 1).tolist()  # one sync for the chunk

@@ -25,6 +25,20 @@ def compile_options(device) -> dict:
             "alignment_asserts": False, "emulate_precision_casts": True}
 
 
+def compile_step(fn, device, **kwargs):
+    """torch.compile(fn) with compile_options. On CUDA the outputs are cloned: the next replay of a CUDA graph
+    overwrites the outputs of the last one, and a caller keeps them across steps (a draft's K tokens)."""
+    step = torch.compile(fn, fullgraph=True, options=compile_options(device), **kwargs)
+    if torch.device(device).type != "cuda":
+        return step
+
+    def cloned(*args):
+        out = step(*args)
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out) if isinstance(out, tuple) \
+            else out.clone()
+    return cloned
+
+
 def accept(draft, q, p, u, noise):
     """The acceptance rule, a pure function.
 
@@ -79,8 +93,7 @@ class ModelDrafter:
         self.step = self._step
         if compile and not getattr(model, "eager_steps", False):  # eager_steps: see generate.Step
             # a static graph for each of the two shapes, 1 and 2 tokens a row
-            self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
-                                      options=compile_options(model.tok_embeddings.weight.device))
+            self.step = compile_step(self._step, model.tok_embeddings.weight.device, dynamic=False)
 
     @staticmethod
     def _step(model, tokens, input_pos, temperature, top_k, top_p):
@@ -104,7 +117,7 @@ class ModelDrafter:
         token, q = self.step(self.model, first, positions, temperature, top_k, top_p)
         tokens, qs = [token], [q]
         for i in range(1, k):
-            token, q = self.step(self.model, token[:, None].clone(), (pos + i)[:, None], temperature, top_k, top_p)
+            token, q = self.step(self.model, token[:, None], (pos + i)[:, None], temperature, top_k, top_p)
             tokens.append(token)
             qs.append(q)
         self.cached_until = pos + k  # this round fed positions pos .. pos + k - 1

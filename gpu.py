@@ -1,7 +1,7 @@
 """The CUDA backend: int4 layers on aten's tinygemm kernel, applied around model.py by generate.load_model (backend
 "auto" on a CUDA device), as tp.apply_tp is. (Named gpu.py: a module named cuda would shadow NVIDIA's cuda package,
-which torch imports.) UNVERIFIED ON HARDWARE: no GPU has run this file yet; tests/test_cuda.py is what a GPU session
-runs first.
+which torch imports.) Run on an H100 once (2026-11-26, docs/cuda.md): every int4 layer of a 7B-shaped model passed
+its check and served, 1.43x bf16's decode speed.
 
 int8 and MX layers need no backend on CUDA: their reference forwards run inside the compiled step (int8 in the
 gpt-fast form, the codes cast inside the product). Int4Linear's on-disk layout is tinygemm's arithmetic, w = (q - 8) *

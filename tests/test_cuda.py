@@ -6,8 +6,9 @@ alone (no CPU backend: Inductor compiles model.py, as it does on CUDA), to check
     python tests/test_cuda.py      # on the GPU machine: every check, one line each, exit status 1 if one fails
     bash scripts/gpu_check.sh      # that, then the 7B-shaped bench rows, into one log (docs/cuda.md)
 
-The checks: greedy speculation == plain greedy (the target's int8 copy as a model drafter, and n-grams; K 4 and 16;
-each prompt alone and a ragged batch), all steps compiled (CUDA graphs on CUDA); each mode's compiled forward on the
+The checks: a verify's K + 1 rows computed as K + 1 decode steps compute them, bit for bit (what exactness rests
+on); greedy speculation == plain greedy (the target's int8 copy as a model drafter, and n-grams; K 4 and 16; each
+prompt alone and a ragged batch), all steps compiled (CUDA graphs on CUDA); each mode's compiled forward on the
 device in bf16 against the same quantized model's float32 reference on the CPU; the decode step compiled once across
 prompt lengths, with no CUDA-graph skip; the sampled law of speculation on the device; an int4 model's memory after
 packing (references freed) under 0.6 of bf16's.
@@ -26,7 +27,7 @@ import quantize  # noqa: E402
 from generate import Steps, apply_backend, generate  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
-from speculative import ModelDrafter, NgramDrafter  # noqa: E402
+from speculative import ModelDrafter, NgramDrafter, compile_step  # noqa: E402
 
 DEVICE = os.environ.get("TEST_CUDA_DEVICE", "cuda")
 ON_CUDA = torch.device(DEVICE).type == "cuda"
@@ -78,6 +79,29 @@ def on_device(mode=None) -> Transformer:
 def prompts(lengths=(23, 37)) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, ARGS.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def logits(model, tokens, input_pos):
+    return model(tokens, input_pos)
+
+
+def test_a_verify_computes_each_row_as_a_decode_step_does():
+    """What exact speculation rests on: the target's logits for K + 1 rows in one forward equal K + 1 one-row
+    forwards', bit for bit (bf16, compiled as the steps are). The message gives eager's difference too."""
+    model, k1 = on_device(), 8
+    tokens = torch.tensor(prompts()[:1], device=DEVICE)
+    positions = torch.arange(tokens.shape[1], device=DEVICE)[None]
+    head, tail = tokens.shape[1] - k1, slice(tokens.shape[1] - k1, None)
+    largest = {}
+    for name, fn in (("eager", logits), ("compiled", compile_step(logits, DEVICE))):
+        model.setup_caches(1, 128)
+        with torch.no_grad():
+            model(tokens[:, :head], positions[:, :head])
+            rows = fn(model, tokens[:, tail], positions[:, tail]).float()
+            one_by_one = torch.cat([fn(model, tokens[:, i:i + 1], positions[:, i:i + 1]).float()
+                                    for i in range(head, tokens.shape[1])], 1)
+        largest[name] = (rows - one_by_one).abs().max().item()
+    assert largest["compiled"] == 0, f"largest difference of a logit: {largest}"
 
 
 def test_greedy_speculation_equals_plain_greedy():

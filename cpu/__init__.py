@@ -378,10 +378,12 @@ def serve(transformer, products, mapped, one_call=True) -> list:
             qkv = [part.attention.wq, part.attention.wk, part.attention.wv]
             gate_up = [part.feed_forward.w1, part.feed_forward.w3]
             one_call = Stack.stackable(qkv) and Stack.stackable(gate_up)
-            if one_call:
-                mine = [Stack(qkv), part.attention.wo, Stack(gate_up), part.feed_forward.w2]
+            if one_call:  # in the order a step reads them
+                mine = [Stack(qkv, pages), move_to_huge_pages([part.attention.wo], pages)[0],
+                        Stack(gate_up, pages), move_to_huge_pages([part.feed_forward.w2], pages)[0]]
                 step_products += mine
-        move_to_huge_pages(mine, pages)
+        if not one_call or part is transformer.output:
+            move_to_huge_pages(mine, pages)
         names = [n for n in mapped if n.startswith(prefix)]
         if prefix == "output." and transformer.args.tie_embeddings and "tok_embeddings.weight" in mapped:
             names.append("tok_embeddings.weight")

@@ -1,6 +1,7 @@
 """What the CPU backend puts in a model: products and attention served by few_rows.cpp (subclasses of model.py's
 and quantize.py's modules, with the runtime layouts the kernels read), q/k/v and gate/up stacked, the weights a
 step streams in huge pages, and a Llama-family step in one call."""
+import math
 import mmap
 
 import torch
@@ -181,11 +182,18 @@ class Stack:
     products (2 threads, same process): 10.1 -> 9.7 ms at 1 row, 17.9 -> 15.8 at 5. The products keep their
     operands, now views into the stacked copy, and every output is the same sum as in its own product."""
 
-    def __init__(self, products):
+    def __init__(self, products, pages=None):
+        """pages: a HugePages to stack the operands into (one copy of them, not a stacked copy copied again)."""
         self.products = products
         operands = [p.operands() for p in products]
-        self.weight = torch.cat([w for w, _, _ in operands])
-        self.factors = None if operands[0][1] is None else torch.cat([f for _, f, _ in operands])
+        empty = pages.empty if pages else torch.empty
+
+        def stacked(tensors):
+            out = empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=tensors[0].dtype)
+            with torch.no_grad():  # weights that are parameters: cat(out=...) refuses them under autograd
+                return torch.cat(tensors, out=out)
+        self.weight = stacked([w for w, _, _ in operands])
+        self.factors = None if operands[0][1] is None else stacked([f for _, f, _ in operands])
         self.table = operands[0][2]
         self.bias = None if products[0].bias is None else torch.cat([p.bias.float() for p in products])
         self.sizes = [w.shape[0] for w, _, _ in operands]
@@ -236,13 +244,13 @@ class HugePages:
     def __init__(self, chunk=64 << 20):
         self.chunk, self.memory, self.offset = chunk, None, 0
 
-    def like(self, t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
+    def empty(self, shape, dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.memory is None or self.offset + nbytes > self.memory.numel():
             self.memory, self.offset = huge_page_memory(max(self.chunk, nbytes)), 0
-        copy = self.memory[self.offset:self.offset + nbytes].view(t.dtype).view(t.shape)
+        tensor = self.memory[self.offset:self.offset + nbytes].view(dtype).view(shape)
         self.offset += -(-nbytes // 64) * 64
-        return copy
+        return tensor
 
 
 def move_to_huge_pages(products, pages: HugePages):
@@ -251,17 +259,18 @@ def move_to_huge_pages(products, pages: HugePages):
     miss every 4 KiB of a stream that reads ~30 GB/s. Measured on SmolLM2 (Zen 4, 2 threads, same process, seven
     alternating runs): its 121 bf16 products 11.8 -> 9.7 ms, int8 6.8 -> 6.0, mxfp6 5.2 -> 4.6; the file's own
     pages 12.3 ms, the heap's 11.0. One tensor at a time, each old copy freed before the next is made: loading
-    holds at most one tensor twice."""
+    holds at most one tensor twice. -> products"""
     for p in products:
         for i in range(2):
             operands = list(p.operands()[:2])
             old = operands[i]
             if old is None:
                 continue
-            operands[i] = pages.like(old)
+            operands[i] = pages.empty(old.shape, old.dtype)
             operands[i].copy_(old)
             del old
             p.use_operands(*operands)
+    return products
 
 
 class OneCallStep:

@@ -234,12 +234,13 @@ def export_onnx(model: Transformer, role: str, ctx_len: int, path: Path):
                           output_names=outputs, dynamic_axes=axes, opset_version=OPSET)
 
 
-def finish_graph(path: Path, role: str, chunk_bytes: int = DATA_CHUNK_BYTES):
-    """Name the dynamic dimensions as the specializations do, clip float constants to the float16 range, and write
-    the weights beside the graph in files of at most chunk_bytes. -> (constants clipped, the graph's op types)"""
+def finish_graph(exported: Path, path: Path, role: str, chunk_bytes: int = DATA_CHUNK_BYTES):
+    """The exported graph, with the dynamic dimensions named as the specializations name them and float constants
+    clipped to the float16 range, written to path with the weights beside it in files of at most chunk_bytes.
+    -> (constants clipped, the graph's op types)"""
     import onnx
     from onnx import numpy_helper
-    graph_model = onnx.load(str(path))
+    graph_model = onnx.load(str(exported))
     graph = graph_model.graph
     symbols = {"input_ids": ("batch_size", "seq_len"), "position_ids": ("batch_size", "seq_len"),
                "num_logits_to_keep": ("num_logits_to_keep", 1),
@@ -349,8 +350,12 @@ def export(opts, chunk_bytes: int = DATA_CHUNK_BYTES) -> Path:
     try:
         start = time.perf_counter()
         print(f"exporting {opts.role} ({model.args.n_layers} layers) to ONNX ...", file=sys.stderr)
-        export_onnx(model, opts.role, opts.ctx_len, work / "model.onnx")
-        clipped, ops = finish_graph(work / "model.onnx", opts.role, chunk_bytes)
+        # torch writes a graph over protobuf's 2 GiB as one file per tensor beside it: kept apart, then dropped
+        raw = work / "torch"
+        raw.mkdir()
+        export_onnx(model, opts.role, opts.ctx_len, raw / "model.onnx")
+        clipped, ops = finish_graph(raw / "model.onnx", work / "model.onnx", opts.role, chunk_bytes)
+        shutil.rmtree(raw)
         side_files(work, opts, model.args, num_cores, ops)
         for name in ("config.json", "tokenizer.json", "tokenizer.model"):
             if (ckpt_dir / name).is_file():

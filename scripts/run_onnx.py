@@ -85,11 +85,21 @@ class Float16(HostState):
 def float16_graph(path: Path):
     """The ONNX model at path, converted as -convert-to-fp16 converts it: float32 becomes float16 everywhere."""
     import onnx
-    from onnx import TensorProto, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     def tensor(t):
-        if t.data_type == TensorProto.FLOAT:
-            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name))
+        # External data is read with numpy, not into the message: protobuf keeps whatever a message ever held
+        # until the whole model is freed, and a 1.5B model's float32 bytes beside its float16 ones outgrew 24 GB.
+        if t.data_location == TensorProto.EXTERNAL:
+            where = {e.key: e.value for e in t.external_data}
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            array = np.fromfile(path.parent / where["location"], dtype, int(where["length"]) // dtype.itemsize,
+                                offset=int(where.get("offset", 0))).reshape(tuple(t.dims))
+        elif t.data_type == TensorProto.FLOAT:
+            array = numpy_helper.to_array(t)
+        else:
+            return
+        t.CopyFrom(numpy_helper.from_array(array.astype(np.float16) if array.dtype == np.float32 else array, t.name))
 
     def nodes(node_list):
         for node in node_list:
@@ -109,11 +119,14 @@ def float16_graph(path: Path):
                 value.type.tensor_type.elem_type = TensorProto.FLOAT16
         nodes(g.node)
 
-    model = onnx.load(str(path))
+    model = onnx.load(str(path), load_external_data=False)
     graph(model.graph)
     for function in model.functions:
         nodes(function.node)
     return model
+
+
+WIDENED_BYTES = 4 << 30
 
 
 def _float32_sum_matmul():
@@ -121,15 +134,21 @@ def _float32_sum_matmul():
 
     class MatMul(OpRun):
         """float16 MatMul as a float32 BLAS product rounded to float16 (numpy's own float16 product is slow). A
-        float16 -> float32 cast is exact; each node keeps the float32 copy of its constant weight."""
+        float16 -> float32 cast is exact; a node keeps the float32 copy of its constant weight while the copies
+        total under WIDENED_BYTES (a 1.5B model's would not fit beside it in 24 GB: the rest widen per call)."""
         widened = (None, None)
+        room = [WIDENED_BYTES]  # shared by every node
 
         def _run(self, a, b):
             if a.dtype != np.float16:
                 return (np.matmul(a, b),)
-            if self.widened[0] is not b:
-                self.widened = (b, b.astype(np.float32))
-            return (np.matmul(a.astype(np.float32), self.widened[1]).astype(np.float16),)
+            if self.widened[0] is b:
+                wide = self.widened[1]
+            else:
+                wide = b.astype(np.float32)
+                if self.widened[0] is None and wide.nbytes <= self.room[0]:
+                    self.widened, self.room[0] = (b, wide), self.room[0] - wide.nbytes
+            return (np.matmul(a.astype(np.float32), wide).astype(np.float16),)
 
     return MatMul
 
@@ -269,22 +288,29 @@ def check_pair(target: ExportedModel, draft: ExportedModel, prompt_len: int, max
                              f"re-export with --ctx_len {need} or more")
 
 
-def greedy(target: ExportedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+def until_end(new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+    """The new tokens up to max_new_tokens, ending at the first end-of-generation token (kept), as generate.py ends."""
+    new = new[:max_new_tokens]
+    return next((new[:i + 1] for i, t in enumerate(new) if t in eos_ids), new)
+
+
+def greedy(target: ExportedModel, prompt: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
     """Plain greedy decoding on the target alone, one token per decode call: the reference for speculative_greedy."""
     tokens = prompt + [int(target.prefill(prompt).argmax())]
-    while len(tokens) - len(prompt) < max_new_tokens:
+    while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in eos_ids:
         tokens.append(int(target([tokens[-1]], len(tokens) - 1)[-1].argmax()))
-    return tokens[len(prompt):]
+    return until_end(tokens[len(prompt):], max_new_tokens, eos_ids)
 
 
-def speculative_greedy(target: ExportedModel, draft: ExportedModel, prompt: list[int], max_new_tokens: int):
+def speculative_greedy(target: ExportedModel, draft: ExportedModel, prompt: list[int], max_new_tokens: int,
+                       eos_ids=()):
     """-> (new tokens, histogram of tokens accepted per round)"""
     check_pair(target, draft, len(prompt), max_new_tokens)
     k = target.meta["decode_len"] - 1
     tokens = prompt + [int(target.prefill(prompt).argmax())]
     draft.prefill(prompt)
     accepted = Counter()
-    while len(tokens) - len(prompt) < max_new_tokens:
+    while len(tokens) - len(prompt) < max_new_tokens and not any(t in eos_ids for t in tokens[len(prompt):]):
         for token in tokens[draft.valid:]:  # the 1 or 2 tokens the draft has not seen
             logits = draft([token], draft.valid)
         proposals = [int(logits[-1].argmax())]
@@ -298,7 +324,7 @@ def speculative_greedy(target: ExportedModel, draft: ExportedModel, prompt: list
         accepted[n] += 1
         target.valid = len(tokens) - 1  # the state beyond holds rejected drafts: overwritten next round
         draft.valid = min(draft.valid, len(tokens) - 1)
-    return tokens[len(prompt):len(prompt) + max_new_tokens], accepted
+    return until_end(tokens[len(prompt):], max_new_tokens, eos_ids), accepted
 
 
 def main(argv=None):
@@ -324,16 +350,17 @@ def run(opts):
         raise InputError("empty prompt: give at least one token")
     check_pair(target, draft, len(prompt), opts.max_new_tokens)  # before the runtimes start
     start = time.perf_counter()
-    new, accepted = speculative_greedy(target, draft, prompt, opts.max_new_tokens)
+    new, accepted = speculative_greedy(target, draft, prompt, opts.max_new_tokens, tokenizer.eos_ids)
     seconds = time.perf_counter() - start
     rounds = sum(accepted.values())  # as generate.py: accept_counts[n] rounds accepted n drafts; each adds one more
     metrics = dict(accept_counts=[accepted[n] for n in range(target.meta["decode_len"])],
                    mean_accepted=(sum(n * c for n, c in accepted.items()) + rounds) / rounds,
                    speculate_k=target.meta["decode_len"] - 1, tokens_per_s=len(new) / seconds)
+    text = tokenizer.decode([t for t in new if t not in tokenizer.eos_ids])
     if opts.json:
-        print(json.dumps(dict(prompt=opts.prompt, tokens=new, text=tokenizer.decode(new), **metrics)))
+        print(json.dumps(dict(prompt=opts.prompt, tokens=new, text=text, **metrics)))
     else:
-        print(opts.prompt + tokenizer.decode(new), flush=True)
+        print(opts.prompt + text, flush=True)
         print(f"{metrics['tokens_per_s']:.1f} tok/s on {opts.runtime}, {metrics['mean_accepted']:.2f} tokens per round "
               f"(K={metrics['speculate_k']}), accept counts {metrics['accept_counts']}", file=sys.stderr)
 

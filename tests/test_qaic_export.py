@@ -112,6 +112,19 @@ def test_codegen_onnx_speculative_equals_pytorch_greedy(codegen_exports):
         assert tokens == expected and set(accepted) == {K}
 
 
+def test_onnx_generation_ends_at_an_end_of_generation_token(codegen_exports):
+    """As generate.py: the first end-of-generation token ends the output (kept), in plain and speculative loops,
+    even inside a round's accepted drafts."""
+    e = codegen_exports
+    prompt = codegen_prompts()[0]
+    expected = plain_greedy(e["ckpt"], [prompt])[0]
+    end = expected[5]
+    cut = expected[:expected.index(end) + 1]
+    target, drafter = run_onnx.ExportedModel(e["target"], "target"), run_onnx.ExportedModel(e["draft"], "draft")
+    tokens, _ = run_onnx.speculative_greedy(target, drafter, prompt, NEW, {end})
+    assert tokens == cut and run_onnx.greedy(target, prompt, NEW, {end}) == cut
+
+
 @pytest.mark.parametrize("family", ["smollm2", "codegen"])
 def test_exported_logits_match_pytorch(family, smollm2_exports, codegen_exports):
     """Prefill in two chunks (the second padded with position -1), then one decode: target logits at every valid
@@ -168,6 +181,8 @@ def test_graph_and_side_files_agree(smollm2_exports):
            and np.abs(onnx.numpy_helper.to_array(t)).max(initial=0) > np.finfo(np.float16).max]
     assert not big
     tokenizer = Tokenizer(out)  # self-contained: the runtime reads config and tokenizer from the export
+    assert {p.name for p in out.iterdir()} == {"model.onnx", "model.onnx.data", "specializations.json", "qaic.json",
+                                               "custom_io.yaml", "config.json", "tokenizer.json", ".written-by.json"}
     assert tokenizer.vocab_size == json.loads((out / "qaic.json").read_text())["vocab_size"]
 
 

@@ -4,7 +4,8 @@
 
 Each cell is one new Python process that imports the project and times `load_model` and then one forward (the
 first token's prefill): the cell is their sum. `auto, first` runs with an empty verdict cache (the CPU backend checks
-itself), `auto, later` with the cache the first run left. Rows take turns run by run, so a drifting machine reaches them alike.
+itself), `auto, later` with the cache the first run left. Rows take turns run by run, so a drifting machine reaches
+them alike.
 --repo times another checkout's load_model (a commit before a change, say) on the same files.
 """
 import sys
@@ -65,7 +66,8 @@ def bench_load(opts):
                 cells[name, "auto, first"].append(one_load(opts.repo, path, "auto", cache))
                 cells[name, "auto, later"].append(one_load(opts.repo, path, "auto", cache))
     print("load_model, then the first forward (3 tokens), seconds: what a user waits for before a first token")
-    print(f"| file | {' | '.join(kind for kind in ('torch', 'auto, first', 'auto, later'))} | of which the first forward |")
+    kinds = " | ".join(("torch", "auto, first", "auto, later"))
+    print(f"| file | {kinds} | of which the first forward |")
     print("|---|---|---|---|---|")
     for name in files:
         spans = [cells[name, kind] for kind in ("torch", "auto, first", "auto, later")]

@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-gpu_check.log}
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/gpu-check-inductor}
+export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}  # the GPU image has python3, maybe no python
 bench="$py scripts/bench.py --device cuda --random_weights scripts/configs/llama-2-7b.json --num_prompts 2 --runs 2"
 {

@@ -75,7 +75,7 @@ class Float16(HostState):
     def __init__(self, directory: Path, meta: dict):
         from onnx.reference import ReferenceEvaluator
         super().__init__(directory, meta)
-        self.evaluator = ReferenceEvaluator(float16_graph(directory / "model.onnx"), new_ops=[Float32SumMatMul])
+        self.evaluator = ReferenceEvaluator(float16_graph(directory / "model.onnx"), new_ops=[float32_sum_matmul()])
 
     def evaluate(self, feeds):
         with np.errstate(all="ignore"):  # softmax's masked -65504 and the unused branch of sigmoid overflow by design
@@ -126,10 +126,11 @@ def float16_graph(path: Path):
     return model
 
 
-WIDENED_BYTES = 4 << 30
+WIDENED_BYTES = 3 << 30
 
 
-def _float32_sum_matmul():
+def float32_sum_matmul():
+    """A MatMul for one graph's evaluator (each graph gets its own WIDENED_BYTES of float32 copies)."""
     from onnx.reference.op_run import OpRun
 
     class MatMul(OpRun):
@@ -137,7 +138,7 @@ def _float32_sum_matmul():
         float16 -> float32 cast is exact; a node keeps the float32 copy of its constant weight while the copies
         total under WIDENED_BYTES (a 1.5B model's would not fit beside it in 24 GB: the rest widen per call)."""
         widened = (None, None)
-        room = [WIDENED_BYTES]  # shared by every node
+        room = [WIDENED_BYTES]  # shared by this graph's nodes
 
         def _run(self, a, b):
             if a.dtype != np.float16:
@@ -219,7 +220,6 @@ def import_qaic_runtime():
 
 
 RUNTIMES = {"onnxruntime": OnnxRuntime, "float16": Float16, "qaic": Qaic}
-Float32SumMatMul = _float32_sum_matmul()
 
 
 class ExportedModel:

@@ -23,6 +23,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
+from quantize import MODES  # noqa: E402
 
 ONE_LOAD = """
 import json, sys, time
@@ -55,6 +56,8 @@ def bench_load(opts):
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
     files = {}
     for name in opts.files.split(","):
+        if name != "bf16" and name not in MODES:
+            raise InputError(f"--files {name}: not a file kind; give bf16 or quantize.py modes ({', '.join(MODES)})")
         files[name] = ckpt_dir / ("model.safetensors" if name == "bf16" else f"model.{name}.safetensors")
         if not files[name].is_file():
             raise InputError(f"--files {name}: {files[name]} not found; make it with quantize.py --mode {name}")

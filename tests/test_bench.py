@@ -1,4 +1,6 @@
 """scripts/bench.py: its errors, and the idle / busy table of --contended."""
+import pytest
+
 from test_generate import assert_one_line_error, cli
 
 
@@ -110,3 +112,5 @@ def test_bench_load_times_fresh_processes(tiny, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[1] == "| file | torch | auto, first | auto, later | of which the first forward |"
     assert table[3].startswith("| bf16 |")
+    with pytest.raises(SystemExit, match="--files mxfp9: not a file kind; give bf16 or quantize.py modes"):
+        bench_load.main(["--checkpoint_path", str(ckpt), "--files", "bf16,mxfp9"])

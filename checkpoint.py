@@ -1,10 +1,12 @@
-"""Checkpoint files: bad input as one line, config.json, resolving paths, the bounds-checked safetensors map, and
-writes that are never left half-done. What generate.py, quantize.py and the scripts share; imports only cli.py of
-this project.
+"""Checkpoint files: bad input as one line, config.json and the model's shape read from it (checked), resolving
+paths, the bounds-checked safetensors map, and writes that are never left half-done. What loading.py, quantize.py
+and the scripts share; imports only cli.py and model.py of this project.
 """
 import contextlib
 import ctypes
+import dataclasses
 import json
+import math
 import mmap
 import os
 import struct
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from cli import InputError, OneLineErrors  # noqa: F401 (re-exported: the library's error type)
+from model import ModelArgs
 
 
 def read_config(path) -> dict:
@@ -31,6 +34,66 @@ def read_config(path) -> dict:
         raise InputError(f"{path}: not a JSON object but {type(config).__name__}; re-run "
                          "scripts/convert_checkpoint.py")
     return config
+
+
+def read_model_args(path) -> ModelArgs:
+    """The model's shape and math from config.json, every field checked: one InputError naming the file and the
+    field where one is missing or wrong."""
+    path = Path(path)
+    config = read_config(path)
+    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
+    missing = [name for name in fields if name not in ModelArgs.OPTIONAL and name not in config]
+    if missing:
+        raise InputError(f"{path}: missing field '{missing[0]}'; re-run scripts/convert_checkpoint.py")
+    values = {name: config.get(name, field.default) for name, field in fields.items()}
+    check_model_args(values, path)
+    return ModelArgs(**values)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_model_args(values: dict, path="config.json"):
+    """ModelArgs' fields as config.json gives them (the optional ones may be left out): what model.py implements, or
+    one InputError naming the field."""
+    values = {f.name: f.default for f in dataclasses.fields(ModelArgs) if f.default is not dataclasses.MISSING} \
+        | values
+    def bad(name, want):
+        return InputError(f"{path}: field '{name}' must be {want}, not {values[name]!r}; fix the file or re-run "
+                          "scripts/convert_checkpoint.py")
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len"):
+        value = values[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise bad(name, "a positive integer")
+    if not is_number(values["norm_eps"]) or values["norm_eps"] < 0:
+        raise bad("norm_eps", "a finite number >= 0")
+    if not is_number(values["rope_theta"]) or values["rope_theta"] <= 0:
+        raise bad("rope_theta", "a finite number > 0")
+    for name in ("tie_embeddings", "qkv_bias"):
+        if not isinstance(values[name], bool):
+            raise bad(name, "true or false")
+    if values["family"] not in ("llama", "codegen"):
+        raise InputError(f"{path}: family '{values['family']}' is not supported; use 'llama' or 'codegen'")
+    dim, n_heads, n_kv_heads = values["dim"], values["n_heads"], values["n_kv_heads"]
+    if dim % n_heads or n_heads % n_kv_heads:
+        raise InputError(f"{path}: dim {dim}, n_heads {n_heads}, n_kv_heads {n_kv_heads} are inconsistent "
+                         "(dim % n_heads and n_heads % n_kv_heads must be 0)")
+    rotary_dim, head_dim = values["rotary_dim"], dim // n_heads
+    if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim < 2
+                                   or rotary_dim % 2 or rotary_dim > head_dim):
+        raise InputError(f"{path}: rotary_dim {rotary_dim!r} must be even and <= head dim {head_dim}")
+    scaling = values["rope_scaling"]
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if not isinstance(scaling, dict) or kind not in (None, "default", "llama3"):
+            raise InputError(f"{path}: rope_scaling {scaling!r} is not supported (only 'llama3')")
+        if kind == "llama3" and not all(is_number(scaling.get(key)) and scaling[key] > 0 for key in LLAMA3_SCALING):
+            raise InputError(f"{path}: rope_scaling of type llama3 needs positive numbers "
+                             f"{', '.join(LLAMA3_SCALING)}; got {scaling!r}")
 
 
 def resolve_checkpoint(path) -> tuple[Path, Path]:

@@ -1,7 +1,6 @@
-"""The CUDA backend: int4 layers on aten's tinygemm kernel, applied around model.py by generate.load_model (backend
+"""The CUDA backend: int4 layers on aten's tinygemm kernel, applied around model.py by loading.load_model (backend
 "auto" on a CUDA device), as tp.apply_tp is. (Named gpu.py: a module named cuda would shadow NVIDIA's cuda package,
-which torch imports.) Run on an H100 once (2026-11-26, docs/cuda.md): every int4 layer of a 7B-shaped model passed
-its check and served, 1.43x bf16's decode speed.
+which torch imports.) Results on hardware: docs/cuda.md.
 
 int8 and MX layers need no backend on CUDA: their reference forwards run inside the compiled step (int8 in the
 gpt-fast form, the codes cast inside the product). Int4Linear's on-disk layout is tinygemm's arithmetic, w = (q - 8) *
@@ -10,16 +9,15 @@ codes per byte, the even one in the high nibble, then _convert_weight_to_int4pac
 _weight_int4pack_mm: the weight is never dequantized. Inputs are rounded as the reference rounds them
 (quantize.round_activations), and each packed layer proves itself against the reference forward before it serves.
 """
-import warnings
-
 import torch
 import torch.nn as nn
 
+import backend
 import mx
 import quantize
-from checkpoint import InputError
 
 TOLERANCE = 0.01  # relative RMS against the reference forward, in bf16
+RUNS_REFERENCE = "int4 layers run quantize.py's reference forward"
 
 
 class TinyGemmInt4Linear(nn.Module):
@@ -41,32 +39,35 @@ class TinyGemmInt4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def check_int4(model):
-    """One-line refusals where tinygemm cannot run: not bf16, an older GPU, or a shape it does not take."""
-    int4 = [(name, m) for name, m in model.named_modules() if type(m) is quantize.Int4Linear]
-    if not int4:
-        return []
+def refusal(model, int4) -> str | None:
+    """Why tinygemm cannot run these int4 layers (not bf16, an older GPU, a shape it does not take), or None."""
     major, minor = torch.cuda.get_device_capability(int4[0][1].weight.device)
     if major < 8:
-        raise InputError(f"int4 on CUDA runs on aten's tinygemm kernel, which needs compute capability 8.0 or newer "
-                         f"(this GPU: {major}.{minor}); use int8 or an MX mode")
+        return f"tinygemm needs compute capability 8.0 or newer (this GPU: {major}.{minor})"
     if model.tok_embeddings.weight.dtype != torch.bfloat16:
-        raise InputError("int4 on CUDA runs on aten's tinygemm kernel, which takes bf16 inputs; use --dtype bf16")
+        return "tinygemm takes bf16 inputs (use --dtype bf16)"
     for name, m in int4:
         k = m.weight.shape[1] * 2
         if k % 32 or m.weight.shape[0] % 8:
-            raise InputError(f"{name}: in_features {k} / out_features {m.weight.shape[0]} do not fit tinygemm "
-                             "(multiples of 32 / 8); use int8 or an MX mode")
-    return int4
+            return f"{name}: in_features {k} / out_features {m.weight.shape[0]} do not fit tinygemm (multiples of 32 / 8)"
+    return None
 
 
-def apply(model) -> bool:
+def apply(model) -> backend.Report:
     """Swap the int4 layers of a CUDA model for tinygemm ones, each checked against its reference forward on random
     inputs before it replaces it (the reference is dropped as it goes: no second copy of the model at the peak);
-    a layer that does not match keeps its reference, with one warning line. -> whether the backend serves any."""
-    int4 = check_int4(model)
+    where tinygemm cannot run, or a layer does not match, the reference serves, with one warning line."""
+    return backend.attach(model, try_to_serve(model))
+
+
+def try_to_serve(model) -> backend.Report:
+    int4 = [(name, m) for name, m in model.named_modules() if type(m) is quantize.Int4Linear]
     if not int4:
-        return False
+        return backend.torch_report(model)
+    reason = refusal(model, int4)
+    if reason:
+        backend.warn("CUDA", reason, RUNS_REFERENCE)
+        return backend.torch_report(model, reason)
     g = torch.Generator(device=int4[0][1].weight.device).manual_seed(0)
     refused, total = [], len(int4)
     while int4:
@@ -83,6 +84,10 @@ def apply(model) -> bool:
             refused.append(f"{name} ({error:.1e})")
         del ref, fast
     if refused:
-        warnings.warn(f"gpu backend: {len(refused)} int4 layers on tinygemm are beyond {TOLERANCE} (relative RMS) "
-                      f"from their reference forward and run the reference: {', '.join(refused[:3])}", stacklevel=2)
-    return len(refused) < total
+        backend.warn("CUDA", f"{len(refused)} int4 layers on tinygemm are beyond {TOLERANCE} (relative RMS) from "
+                     f"their reference forward: {', '.join(refused[:3])}", "those run the reference")
+    if len(refused) == total:
+        return backend.torch_report(model, "no int4 layer matched its reference on tinygemm")
+    return backend.Report(name="cuda", serves=f"tinygemm: {total - len(refused)} int4 layers",
+                          step_bytes=backend.step_bytes(model), held_bytes=backend.held_bytes(model),
+                          fallback=f"{len(refused)} int4 layers run their reference" if refused else None)

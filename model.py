@@ -10,18 +10,11 @@ Checkpoints stored in the interleaved convention (GGUF, CodeGen) are permuted on
 scores are unchanged by a permutation applied to both q and k.
 """
 import math
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from checkpoint import InputError, read_config
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -45,62 +38,15 @@ class ModelArgs:
     rotary_dim: int | None = None  # None: the whole head dim rotates
     qkv_bias: bool = False
 
-    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias")
-    LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias")  # the fields a config.json may leave out
 
     def __post_init__(self):
-        def bad(name, want):
-            value = getattr(self, name)
-            return InputError(f"config.json: field '{name}' must be {want}, not {value!r}; fix the file or re-run "
-                              "scripts/convert_checkpoint.py")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(name, "a positive integer")
-        if not is_number(self.norm_eps) or self.norm_eps < 0:
-            raise bad("norm_eps", "a finite number >= 0")
-        if not is_number(self.rope_theta) or self.rope_theta <= 0:
-            raise bad("rope_theta", "a finite number > 0")
-        for name in ("tie_embeddings", "qkv_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "true or false")
-        if self.family not in ("llama", "codegen"):
-            raise InputError(f"config.json: family '{self.family}' is not supported; use 'llama' or 'codegen'")
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise InputError(f"config.json: dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads} "
-                             "are inconsistent (dim % n_heads and n_heads % n_kv_heads must be 0)")
         if self.rotary_dim is None:
             self.rotary_dim = self.head_dim
-        if (not isinstance(self.rotary_dim, int) or isinstance(self.rotary_dim, bool) or self.rotary_dim < 2
-                or self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
-            raise InputError(f"config.json: rotary_dim {self.rotary_dim!r} must be even and <= head dim "
-                             f"{self.head_dim}")
-        scaling = self.rope_scaling
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-            if not isinstance(scaling, dict) or kind not in (None, "default", "llama3"):
-                raise InputError(f"config.json: rope_scaling {scaling!r} is not supported (only 'llama3')")
-            if kind == "llama3" and not all(is_number(scaling.get(key)) and scaling[key] > 0
-                                            for key in self.LLAMA3_SCALING):
-                raise InputError(f"config.json: rope_scaling of type llama3 needs positive numbers "
-                                 f"{', '.join(self.LLAMA3_SCALING)}; got {scaling!r}")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-    @classmethod
-    def from_config(cls, path) -> "ModelArgs":
-        path = Path(path)
-        config = read_config(path)
-        known = [f.name for f in fields(cls)]
-        missing = [name for name in known if name not in cls.OPTIONAL and name not in config]
-        if missing:
-            raise InputError(f"{path}: missing field '{missing[0]}'; re-run scripts/convert_checkpoint.py")
-        try:
-            return cls(**{k: v for k, v in config.items() if k in known})
-        except InputError as e:  # name the file, not just "config.json"
-            raise InputError(str(e).replace("config.json", str(path), 1)) from None
 
 
 class KVCache(nn.Module):
@@ -155,21 +101,6 @@ def no_communication(x):
     return x
 
 
-class Linear(nn.Linear):
-    """nn.Linear that tensor parallelism (tp.py) can slice: a rank keeps some of its outputs or inputs. Row slices of
-    a mapped file stay views of it."""
-
-    def select_outputs(self, index):
-        self.weight = nn.Parameter(self.weight[index].contiguous(), requires_grad=False)
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias[index].contiguous(), requires_grad=False)
-        self.out_features = self.weight.shape[0]
-
-    def select_inputs(self, start, stop):
-        self.weight = nn.Parameter(self.weight[:, start:stop].contiguous(), requires_grad=False)
-        self.in_features = self.weight.shape[1]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -187,10 +118,10 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         hd, bias = args.head_dim, args.qkv_bias
-        self.wq = Linear(args.dim, args.n_heads * hd, bias=bias)
-        self.wk = Linear(args.dim, args.n_kv_heads * hd, bias=bias)
-        self.wv = Linear(args.dim, args.n_kv_heads * hd, bias=bias)
-        self.wo = Linear(args.n_heads * hd, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
         self.kv_cache = None
         # Set by tensor parallelism to the heads held by this rank.
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
@@ -220,10 +151,10 @@ class FeedForward(nn.Module):
         super().__init__()
         self.gated = args.family == "llama"
         bias = args.family == "codegen"
-        self.w1 = Linear(args.dim, args.intermediate_size, bias=bias)
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=bias)
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=bias)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=bias)
         if self.gated:
-            self.w3 = Linear(args.dim, args.intermediate_size, bias=False)
+            self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
 
     def forward(self, x):
         if self.gated:
@@ -265,7 +196,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = make_norm(args)
-        self.output = Linear(args.dim, args.vocab_size, bias=args.family == "codegen")
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=args.family == "codegen")
         self.tie_weights()
         self.max_batch_size = self.max_seq_len = 0
         self.gather_logits = no_communication  # tp.py: an all-gather when the LM head is split by vocabulary
@@ -277,8 +208,8 @@ class Transformer(nn.Module):
     def setup_caches(self, batch_size: int, max_seq_len: int):
         """Allocate the static KV cache once; a request that fits the current cache reuses it."""
         if max_seq_len > self.args.max_seq_len:
-            raise InputError(f"{max_seq_len} positions requested but the model's context (config.json "
-                             f"max_seq_len) is {self.args.max_seq_len}; use a shorter prompt or fewer new tokens")
+            raise ValueError(f"{max_seq_len} positions requested but the model's context (max_seq_len) is "
+                             f"{self.args.max_seq_len}")
         if batch_size == self.max_batch_size and max_seq_len <= self.max_seq_len:
             return
         weight = self.layers[0].attention_norm.weight

@@ -20,8 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-from checkpoint import InputError, OneLineErrors, map_safetensors, resolve_checkpoint, write_atomically
-from model import ModelArgs, Transformer
+from checkpoint import (InputError, OneLineErrors, map_safetensors, read_model_args, resolve_checkpoint,
+                        write_atomically)
+from model import Transformer
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
@@ -40,16 +41,6 @@ def rowwise_linear(x, dequantize, n):
     return torch.cat([F.linear(x, dequantize(slice(i, i + ROWS)).to(x.dtype)) for i in range(0, n, ROWS)], -1)
 
 
-def select_bias(module, index):
-    if module.bias is not None:
-        module.bias = nn.Parameter(module.bias[index].contiguous(), requires_grad=False)
-
-
-def check_whole_blocks(start, stop, block, what):
-    if start % block or stop % block:
-        raise InputError(f"in_features [{start}, {stop}) would split a {block}-element {what}")
-
-
 class Int8Linear(nn.Module):
     """Per-output-channel symmetric int8: w = q * scale[n]. The forward is gpt-fast's: the codes cast to the input's
     dtype, times the scales after the product (torch.compile fuses the cast into the product)."""
@@ -66,14 +57,6 @@ class Int8Linear(nn.Module):
 
     def dequantize(self):
         return self.weight.float() * self.scales.float()[:, None]
-
-    # Tensor parallelism (tp.py): a scale belongs to its output row, and covers every input of it.
-    def select_outputs(self, index):
-        self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
-        select_bias(self, index)
-
-    def select_inputs(self, start, stop):
-        self.weight = self.weight[:, start:stop].contiguous()
 
     @staticmethod
     def quantize(w):
@@ -110,19 +93,6 @@ class Int4Linear(nn.Module):
         y = rowwise_linear(round_activations(x), self.dequantize, self.weight.shape[0])
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
-    # Tensor parallelism (tp.py): groups run along in_features and are never split.
-    def select_outputs(self, index):
-        self.weight = self.weight[index].contiguous()
-        self.scales_and_zeros = self.scales_and_zeros[:, index].contiguous()
-        select_bias(self, index)
-        if self.weight.shape[0] % 16:
-            raise InputError(f"{self.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple of 16")
-
-    def select_inputs(self, start, stop):
-        check_whole_blocks(start, stop, self.groupsize, "int4 group")
-        self.weight = self.weight[:, start // 2:stop // 2].contiguous()
-        self.scales_and_zeros = self.scales_and_zeros[start // self.groupsize:stop // self.groupsize].contiguous()
-
     def dequantize(self, rows=slice(None)):
         """The float32 weight (of these rows)."""
         scales, zeros = (t.float().T[rows].repeat_interleave(self.groupsize, 1) for t in self.scales_and_zeros.unbind(-1))
@@ -158,17 +128,6 @@ class MXLinear(nn.Module):
         """The float32 weight (of these rows)."""
         return mx.dequantize(mx.unpack(self.weight[rows], self.fmt.bits), self.scales[rows], self.fmt)
 
-    # Tensor parallelism (tp.py): blocks run along in_features and are never split.
-    def select_outputs(self, index):
-        self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
-        select_bias(self, index)
-
-    def select_inputs(self, start, stop):
-        check_whole_blocks(start, stop, mx.BLOCK, "MX block")
-        bits = self.fmt.bits  # 32 codes fill whole bytes in every format
-        self.weight = self.weight[:, start * bits // 8:stop * bits // 8].contiguous()
-        self.scales = self.scales[:, start // mx.BLOCK:stop // mx.BLOCK].contiguous()
-
     @staticmethod
     def quantize(w, fmt, rule, rows=4096):
         # in row chunks: the encoder's temporaries are ~40 bytes an element (15 GB peak for Qwen2.5-1.5B's head)
@@ -182,6 +141,21 @@ def check_mode(mode, groupsize):
         raise InputError(f"unsupported --mode '{mode}'; choose one of {', '.join(MODES)}")
     if mode == "int4" and groupsize not in INT4_GROUPSIZES:
         raise InputError(f"--groupsize {groupsize} is not supported for int4; use one of {INT4_GROUPSIZES}")
+
+
+def file_mode(metadata: dict, path) -> tuple[str | None, int]:
+    """The quantization a file written by this script declares in its metadata: (mode, block for replace_linears),
+    or (None, 0) for a plain checkpoint."""
+    mode = metadata.get("quantization")
+    if not mode:
+        return None, 0
+    if mode not in MODES:
+        raise InputError(f"{path}: unknown quantization '{mode}' in the metadata; re-run quantize.py")
+    groupsize = metadata.get("groupsize", "128")
+    if mode == "int4" and groupsize not in map(str, INT4_GROUPSIZES):
+        raise InputError(f"{path}: groupsize '{groupsize}' in the metadata is not one of {INT4_GROUPSIZES}; re-run "
+                         "quantize.py")
+    return mode, int(groupsize) if mode == "int4" else 32
 
 
 def block_of(mode, groupsize):
@@ -247,7 +221,7 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
     check_mode(mode, groupsize)
     rule = rule or mx.DEFAULT_RULE.get(MX_MODES.get(mode), "rceil")
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
-    args = ModelArgs.from_config(ckpt_dir / "config.json")
+    args = read_model_args(ckpt_dir / "config.json")
     tensors, metadata = map_safetensors(weights_path)
     if metadata.get("quantization"):
         raise InputError(f"{weights_path}: already quantized ({metadata['quantization']}); quantize the "

@@ -9,15 +9,11 @@ import time
 
 import torch
 
+from backend import report
 from sampling import argmax, logits_to_probs
 
-# The most drafts a round verifies (--speculate_k): a verify of K + 1 tokens a row is still a step that the CPU
-# backend computes row by row (cpu.kernels.STEP_TOKENS), as a decode would.
-MAX_SPECULATE_K = 32
-
-
 def compile_options(device) -> dict:
-    """torch.compile options of every step (generate.Step, the draft's step): see generate.Step. On CUDA also
+    """torch.compile options of every step (decoding.Step, the draft's step): see decoding.Step. On CUDA also
     CUDA graphs, and coordinate-descent tuning, which lets Inductor fuse int8's cast into the product (without it
     aten.mm reads a bf16 copy of each weight written by a separate kernel; gpt-fast sets it too)."""
     cuda = torch.device(device).type == "cuda"
@@ -84,14 +80,14 @@ class ModelDrafter:
     round after that starts with a 2-token step over [the token before `last`, last] for every row: it writes
     the missing entry, and rewrites an identical one in the other rows. So no row needs special handling and
     the draft has two static shapes (2 and 1 tokens); rounds with no catching up pay for one token, not two.
-    Each shape has its own static compiled graph: one graph dynamic in the token count ran its 1-token steps
-    14-18% slower than a decode step (SmolLM2 bf16, in a self-draft round; 1.00x compiled apart).
+    Each shape has its own static compiled graph (one graph dynamic in the token count made 1-token steps slower:
+    docs/how-it-works.md).
     """
 
     def __init__(self, model, compile=False):
         self.model = model
         self.step = self._step
-        if compile and not getattr(model, "eager_steps", False):  # eager_steps: see generate.Step
+        if compile and report(model).compile_steps:
             # a static graph for each of the two shapes, 1 and 2 tokens a row
             self.step = compile_step(self._step, model.tok_embeddings.weight.device, dynamic=False)
 

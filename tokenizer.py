@@ -68,3 +68,21 @@ class Tokenizer:
         if self._sp is not None:
             return self._sp.DecodeIds(list(ids))
         return self._hf.decode(list(ids), skip_special_tokens=False)
+
+
+class TextStream:
+    """Prints a row's text as it grows, holding back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, tokens):
+        self.ids += [t for t in tokens if t not in self.tokenizer.eos_ids]
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[self.printed:], end="", flush=True)
+            self.printed = len(text)
+
+    def finish(self):
+        """Print what is held back, as --json's text has it (a partial character decodes as U+FFFD), and a newline."""
+        print(self.tokenizer.decode(self.ids)[self.printed:], flush=True)

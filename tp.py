@@ -21,9 +21,9 @@ are replicated. So a rank holds ~1/N of every weight but the norms.
 Query heads must split evenly. KV heads need not (SmolLM2 has 3): a rank keeps the KV heads its query heads
 read, so a KV head shared by two ranks is held by both.
 
-Quantized layers slice themselves (`select_outputs` / `select_inputs` in quantize.py): int8 scales follow
-their rows; int4 groups and MX blocks run along in_features and a row-parallel split must fall on their
-boundaries (and int4 keeps output rows in multiples of 16), else loading stops with an error naming the layer.
+Each layer type has its slicing here (`select_outputs` / `select_inputs`): int8 scales follow their rows; int4
+groups and MX blocks run along in_features and a row-parallel split must fall on their boundaries (and int4 keeps
+output rows in multiples of 16), else loading stops with an error naming the layer.
 
 Every rank runs the same host loop with the same seed on the same logits (an all-reduce leaves every rank
 the same sum, an all-gather the same logits), so all ranks sample the same tokens without a broadcast.
@@ -54,6 +54,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mx
+import quantize
 from checkpoint import InputError
 from model import Transformer, no_communication
 
@@ -217,6 +219,60 @@ def mlp_rows(intermediate_size: int, rank: int, world: int) -> slice:
     return slice(rank * units // world * unit, (rank + 1) * units // world * unit)
 
 
+# ---------------------------------------------------------------- slicing a layer, per type
+
+def parameter(t):
+    return nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+def select_bias(layer, index):
+    if layer.bias is not None:
+        layer.bias = parameter(layer.bias[index])
+
+
+def check_whole_blocks(start, stop, block, what):
+    if start % block or stop % block:
+        raise InputError(f"in_features [{start}, {stop}) would split a {block}-element {what}")
+
+
+def select_outputs(layer, index):
+    """Keep the output rows `index` of a layer (column parallel). Row slices of a mapped file stay views of it."""
+    if isinstance(layer, nn.Linear):
+        layer.weight = parameter(layer.weight[index])
+        layer.out_features = layer.weight.shape[0]
+    elif isinstance(layer, (quantize.Int8Linear, quantize.MXLinear)):  # a scale belongs to its output row
+        layer.weight, layer.scales = layer.weight[index].contiguous(), layer.scales[index].contiguous()
+    elif isinstance(layer, quantize.Int4Linear):
+        layer.weight = layer.weight[index].contiguous()
+        layer.scales_and_zeros = layer.scales_and_zeros[:, index].contiguous()
+        if layer.weight.shape[0] % 16:
+            raise InputError(f"{layer.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple "
+                             "of 16")
+    else:
+        raise InputError(f"a {type(layer).__name__} layer cannot be split by tensor parallelism")
+    select_bias(layer, index)
+
+
+def select_inputs(layer, start, stop):
+    """Keep the input columns [start, stop) of a layer (row parallel): whole int4 groups and MX blocks only."""
+    if isinstance(layer, nn.Linear):
+        layer.weight = parameter(layer.weight[:, start:stop])
+        layer.in_features = layer.weight.shape[1]
+    elif isinstance(layer, quantize.Int8Linear):  # a scale covers every input of its row
+        layer.weight = layer.weight[:, start:stop].contiguous()
+    elif isinstance(layer, quantize.Int4Linear):
+        check_whole_blocks(start, stop, layer.groupsize, "int4 group")
+        layer.weight = layer.weight[:, start // 2:stop // 2].contiguous()
+        layer.scales_and_zeros = layer.scales_and_zeros[start // layer.groupsize:stop // layer.groupsize].contiguous()
+    elif isinstance(layer, quantize.MXLinear):
+        check_whole_blocks(start, stop, mx.BLOCK, "MX block")
+        bits = layer.fmt.bits  # 32 codes fill whole bytes in every format
+        layer.weight = layer.weight[:, start * bits // 8:stop * bits // 8].contiguous()
+        layer.scales = layer.scales[:, start // mx.BLOCK:stop // mx.BLOCK].contiguous()
+    else:
+        raise InputError(f"a {type(layer).__name__} layer cannot be split by tensor parallelism")
+
+
 def shard(model: Transformer, rank: int, world: int) -> bool:
     """Slice the model in place to rank `rank` of `world` (no communication). Returns whether the embedding
     and LM head are split by vocabulary (then embeddings must be all-reduced and logits gathered)."""
@@ -234,18 +290,18 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
                              "quantization mode") from None
 
     def row_parallel(name, linear, start, stop):
-        sliced(name, linear.select_inputs, start, stop)
+        sliced(name, select_inputs, linear, start, stop)
         if rank:
             linear.bias = None  # added once, by rank 0, into the all-reduced sum
 
     for i, layer in enumerate(model.layers):
         attn, ff = layer.attention, layer.feed_forward
         for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
-            sliced(f"layers.{i}.attention.{name}", getattr(attn, name).select_outputs, rows)
+            sliced(f"layers.{i}.attention.{name}", select_outputs, getattr(attn, name), rows)
         row_parallel(f"layers.{i}.attention.wo", attn.wo, q_rows.start, q_rows.stop)
         attn.n_heads, attn.n_kv_heads = len(q_heads), len(kv_heads)
         for name in ("w1", "w3") if ff.gated else ("w1",):
-            sliced(f"layers.{i}.feed_forward.{name}", getattr(ff, name).select_outputs, mlp)
+            sliced(f"layers.{i}.feed_forward.{name}", select_outputs, getattr(ff, name), mlp)
         row_parallel(f"layers.{i}.feed_forward.w2", ff.w2, mlp.start, mlp.stop)
     split_vocab = args.vocab_size % (16 * world) == 0
     if split_vocab:
@@ -255,7 +311,7 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
         if args.tie_embeddings:
             model.tie_weights()
         else:
-            sliced("output", model.output.select_outputs, vocab_rows)
+            sliced("output", select_outputs, model.output, vocab_rows)
     return split_vocab
 
 
@@ -279,7 +335,7 @@ def gather_last_dim(x, group):
 
 
 def apply_tp(model: Transformer, group) -> Transformer:
-    """Shard a model whose tensors are still the mapped file's (generate.load_model calls this before it
+    """Shard a model whose tensors are still the mapped file's (loading.load_model calls this before it
     converts dtype and device, so each rank copies only its slice) and install the collectives."""
     split_vocab = shard(model, dist.get_rank(group), dist.get_world_size(group))
     reduce = partial(all_reduce, group=group)
@@ -289,13 +345,3 @@ def apply_tp(model: Transformer, group) -> Transformer:
         model.tok_embeddings.reduce = reduce
         model.gather_logits = partial(gather_last_dim, group=group)
     return model
-
-
-def weight_bytes(model: Transformer) -> int:
-    """Bytes of weights this process holds: parameters, quantized buffers and their runtime layouts, each
-    storage counted once (a tied head shares the embedding's)."""
-    tensors = list(model.state_dict(keep_vars=True).values())
-    for module in model.modules():
-        runtime = ("packed", "nibbles", "group_factors", "scale_factors", "values", "block_factors")
-        tensors += [t for t in (getattr(module, name, None) for name in runtime) if isinstance(t, torch.Tensor)]
-    return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}.values())

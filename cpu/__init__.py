@@ -1,12 +1,13 @@
 """The CPU backend: few_rows.cpp's kernels serve a model.py model's decode, draft and verify steps, where they
 prove to compute what model.py computes.
 
-    apply(model)  # generate.load_model does this on CPU with --backend auto (the default), after the model's
+    apply(model)  # loading.load_model does this on CPU with --backend auto (the default), after the model's
                   # final dtype and device (a later .to() would leave the backend's copies behind)
 
 It checks that every module it would replace or run is exactly a type it implements, that the config holds no
-field it does not know, and that the functions its kernels replace or its one-call step re-implements are the code
-it was written against (REPLACED, ONE_CALL). Then a canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three
+field it does not know, and that the functions its kernels replace or its one-call step re-implements have the math
+it was written against (REPLACED, ONE_CALL: fingerprints of their syntax trees, blind to comments, layout, the names
+of locals and aliases). Then a canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three
 ways: by model.py in PyTorch before the backend serves; by model.py's forward around the backend's products and
 attention; and by the backend's step (a Llama-family step is one C++ call that re-implements model.py's forward
 around them). The last two must give the same logits and cache entries bit for bit in bf16, where the one-call step
@@ -14,7 +15,8 @@ rounds as eager PyTorch does (within ONE_CALL_FP32 in float32, TOLERANCE where p
 where a fork's change to model.py's math shows. The backend against PyTorch must agree within TOLERANCE: its products
 and attention sum in another order than PyTorch's kernels (as any other BLAS would). On a mismatch it puts the model
 back as it was, says so in one line, and the model runs on model.py's PyTorch path. The verdict is remembered per
-(weights, code, CPU, torch) (verdict_key), so a model pays for its canary once, not at every load.
+(weights, code, CPU, torch) (verdict_key), so a model pays for its canary once, not at every load. apply returns
+the backend's report (backend.Report), kept with the model: what callers read, never the modules it swapped in.
 """
 import ast
 import dataclasses
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+import backend
 import model
 import quantize
 import tp
@@ -45,51 +48,89 @@ KNOWN_FIELDS = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "inter
 # The modules it runs as model.py has them (exact types: a subclass may compute something else).
 KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.KVCache, nn.LayerNorm, nn.Embedding,
         nn.ModuleList, tp.VocabShardEmbedding)
-__all__ = ["apply", "ThreadSizer"]
+__all__ = ["apply", "ThreadSizer", "MAX_VERIFY_TOKENS"]
 RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")
-# The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS. Measured on
-# SmolLM2's canary (Zen 5): bf16 0.8-1.5% (every weight format), float32 ~1e-6, int4 and packed mxfp6 in float32
-# 1.2% and 0.5% (their inputs rounded to 8 bits or to bf16: a difference far below a rounding step moves an input
-# across it, and 30 layers carry it on).
+# The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS (what was measured
+# beside it: docs/how-it-works.md).
 TOLERANCE = 0.05
 # The canary's tokens: the first ones, whose embedding rows share a few pages (a random one each mapped up to a
 # 2 MiB folio of the file: 37 MB for 24 tokens).
 TOKENS = 64
 ONE_CALL_FP32 = 1e-5  # the one-call step against model.py's forward, float32: largest |difference| / largest |logit|
+MAX_VERIFY_TOKENS = kernels.STEP_TOKENS  # a step of more tokens a row goes to PyTorch's GEMM, which rounds otherwise
 
 
 # The functions whose math the backend's kernels replace outright, so that no canary comparison of its own sees an
-# edit to them: fingerprints of the code it was written against (their bodies without docstrings or comments). A
-# fork that edits one gets model.py's path; whoever changes one here updates the kernels, then the fingerprint
-# (tests/test_cpu.py says which).
-REPLACED = {"model.Attention.attend": "423a3b3882bae005", "quantize.round_activations": "a427fa4042febd53",
-            "quantize.Int8Linear.forward": "86175d56254422be", "quantize.Int8Linear.dequantize": "adeff3cadfb8d27b",
-            "quantize.Int4Linear.forward": "7cf5e166257b2229", "quantize.Int4Linear.dequantize": "c7f96218389c002b",
-            "quantize.MXLinear.forward": "19844c2ec51730e1", "quantize.MXLinear.dequantize": "5dcdc731dad2512b"}
+# edit to them: fingerprints of the math it was written against (fingerprint). A fork that edits one gets model.py's
+# path; whoever changes one here updates the kernels, then the fingerprint (tests/test_cpu.py says which).
+REPLACED = {"model.Attention.attend": "b0029ae5f717be95", "quantize.round_activations": "c27d03af339c121b",
+            "quantize.Int8Linear.forward": "52cd5fa71bc0edd1", "quantize.Int8Linear.dequantize": "d6fa212dd068fdc1",
+            "quantize.Int4Linear.forward": "924b5dd385a08194", "quantize.Int4Linear.dequantize": "e0db8e2b1c29b507",
+            "quantize.MXLinear.forward": "3bcfe3f5b6e0d3b9", "quantize.MXLinear.dequantize": "92f438aed88ba37d"}
 
 
 # What the one-call step re-implements. The canary compares it with these bit for bit, but only at the positions and
 # shapes it runs (a sliding window that starts past them would not show): an edit to one turns the one-call step
 # off, and steps run model.py's forward around the backend's products and attention.
-ONE_CALL = {"model.Transformer.forward": "d99fe7c47a2fb49a", "model.Block.forward": "c9f29cd7f56aec16",
-            "model.Attention.forward": "0452fc456252c8d4", "model.FeedForward.forward": "6e03e4b6d2c65663",
-            "model.RMSNorm.forward": "0614483d64827bff", "model.apply_rotary": "68e59c4c9446e00e",
-            "model.KVCache.update": "c3180226161540c1"}
+ONE_CALL = {"model.Transformer.forward": "c4f7d32b7096af00", "model.Block.forward": "91fbe2a08a728c8c",
+            "model.Attention.forward": "c62153e79073bdd5", "model.FeedForward.forward": "699b3bd827d0e204",
+            "model.RMSNorm.forward": "4dd57a4742c347d1", "model.apply_rotary": "c1235aac70cdddb0",
+            "model.KVCache.update": "96e64a601ed02d80"}
 
 
 def fingerprint(function) -> str:
-    """A hash of a function's body as code: its docstring, comments and layout do not count."""
+    """A hash of a function's body as math: its docstring, comments, layout and the names of its locals do not
+    count, nor does an alias (`D = hd`) or a tuple assignment split in two (normalized)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
-    return hashlib.sha256("\n".join(ast.unparse(node) for node in body).encode()).hexdigest()[:16]
+    return hashlib.sha256(ast.dump(normalized(tree)).encode()).hexdigest()[:16]
+
+
+def normalized(function: ast.FunctionDef) -> ast.Module:
+    """The function's body with `a, b = x, y` split into `a = x; b = y` (where no target is read on the right),
+    aliases of one local by another inlined, and locals renamed by order of appearance."""
+    body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+    params = [a.arg for a in function.args.posonlyargs + function.args.args + function.args.kwonlyargs]
+    split = []
+    for node in body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
+                and isinstance(node.value, ast.Tuple) and len(node.targets[0].elts) == len(node.value.elts)
+                and all(isinstance(t, ast.Name) for t in node.targets[0].elts)
+                and not {t.id for t in node.targets[0].elts} & {n.id for n in ast.walk(node.value)
+                                                                   if isinstance(n, ast.Name)}):
+            split += [ast.Assign(targets=[t], value=v) for t, v in zip(node.targets[0].elts, node.value.elts)]
+        else:
+            split.append(node)
+    tree = ast.Module(body=split, type_ignores=[])
+    stores = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            stores[n.id] = stores.get(n.id, 0) + 1
+    aliases = {}
+    for node in list(tree.body):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Name) and stores[node.targets[0].id] == 1
+                and stores.get(node.value.id, 0) <= (0 if node.value.id in params else 1)
+                and (node.value.id in params or node.value.id in stores)):
+            aliases[node.targets[0].id] = node.value.id
+            tree.body.remove(node)
+    names = {}
+    for name in params:
+        names.setdefault(name, f"_{len(names)}")
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            n.id = aliases.get(n.id, n.id)
+            if n.id in stores:
+                names.setdefault(n.id, f"_{len(names)}")
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and n.id in names:
+            n.id = names[n.id]
+    return tree
 
 
 def edited(fingerprints) -> list[str]:
-    """The functions whose code is not the code the backend implements (REPLACED: also model.Linear with a forward
-    of its own, since the backend's products replace nn.Linear's)."""
+    """The functions whose math (fingerprint) is not the math the backend implements."""
     modules = {"model": model, "quantize": quantize}
-    changed = [] if fingerprints is not REPLACED or model.Linear.forward is nn.Linear.forward else \
-        ["model.Linear.forward"]
+    changed = []
     for name, expected in fingerprints.items():
         target = modules[name.split(".")[0]]
         for part in name.split(".")[1:]:
@@ -103,8 +144,11 @@ def edited(fingerprints) -> list[str]:
     return changed
 
 
-def warn(message):
-    print(f"warning: CPU backend: {message}; the model runs on model.py's PyTorch path", file=sys.stderr)
+def warn(message, runs="the model runs on model.py's PyTorch path"):
+    backend.warn("CPU", message, runs)
+
+
+AROUND = "steps run model.py's forward around its kernels"
 
 
 def unsupported(transformer) -> str | None:
@@ -114,7 +158,7 @@ def unsupported(transformer) -> str | None:
         return f"config field '{extra[0]}' is not one it implements"
     changed = edited(REPLACED)
     if changed:
-        return f"{changed[0]} is not the code its kernels implement (edited?)"
+        return f"{changed[0]} is not the math its kernels implement (edited?)"
     for name, module in transformer.named_modules():
         if type(module) not in KEPT + tuple(PRODUCTS) + (model.Attention,):
             return f"module {name or 'model'} is a {type(module).__name__}, not a type it implements"
@@ -125,7 +169,7 @@ def served(module) -> bool:
     """Whether few_rows.cpp multiplies by this product's weight: on CPU; bf16 or float32 (not fp16) where it is not
     quantized, with in_features a multiple of 16."""
     weight = module.weight
-    if type(module) in (model.Linear, quantize.Int8Linear):
+    if type(module) in (nn.Linear, quantize.Int8Linear):
         return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32, torch.int8)
                 and weight.shape[1] % 16 == 0)
     return weight.device.type == "cpu"
@@ -166,46 +210,46 @@ def rounds_inputs(module) -> bool:
     return type(module).__name__ == "Int4Linear" or getattr(module, "table", None) is not None
 
 
-def apply(transformer, mapped=None, phases=None) -> bool:
-    """Serve a loaded model's CPU steps with few_rows.cpp after checking them against model.py; False where it does
-    not serve (with one warning line where it refused). `mapped`: the model's tensors as mapped from its file,
-    whose pages each layer gives back once its weights are copied. The canary's verdict is remembered per
-    (weights, code, CPU, torch) (see verdict_key), so only a model's first load pays for it. `phases`: a dict
-    that gets the seconds each part took."""
-    phases = {} if phases is None else phases
+def apply(transformer, mapped=None, phases=None) -> backend.Report:
+    """Serve a loaded model's CPU steps with few_rows.cpp after checking them against model.py; its report (model.py's
+    own where it does not serve, with one warning line where it refused). `mapped`: the model's tensors as mapped
+    from its file, whose pages each layer gives back once its weights are copied. The canary's verdict is
+    remembered per (weights, code, CPU, torch) (see verdict_key), so only a model's first load pays for it.
+    `phases`: a dict that gets the seconds each part took."""
+    return backend.attach(transformer, try_to_serve(transformer, {} if phases is None else phases, mapped or {}))
+
+
+def try_to_serve(transformer, phases, mapped) -> backend.Report:
     products = [m for m in transformer.modules() if type(m) in PRODUCTS and served(m)]
     if transformer.tok_embeddings.weight.device.type != "cpu" or not products:
-        return False  # an fp16 model, say: nothing here multiplies fp16 weights
+        return backend.torch_report(transformer)  # an fp16 model, say: nothing here multiplies fp16 weights
     reason = unsupported(transformer)
     if reason:
         warn(reason)
-        return False
+        return backend.torch_report(transformer, reason)
     start = time.perf_counter()
     if not kernels.load():
-        return False
+        return backend.torch_report(transformer, "few_rows.cpp did not build")
     phases["kernels"] = time.perf_counter() - start
     changed = edited(ONE_CALL) if one_call_possible(transformer, set(products)) else []
     if changed:
-        print(f"warning: CPU backend: {changed[0]} is not the code its one-call step implements (edited?); steps run "
-              "model.py's forward around its kernels", file=sys.stderr)
+        warn(f"{changed[0]} is not the math its one-call step implements (edited?)", AROUND)
     start = time.perf_counter()
     key = verdict_key(transformer)
     known = remembered(key)
     phases["verdict lookup"] = time.perf_counter() - start
-    mapped = mapped or {}
     if known is not None:
         if known["reason"]:
             warn(known["reason"] + " (remembered from its check; any edit to the code checks again)")
-            return False
+            return backend.torch_report(transformer, known["reason"])
         start = time.perf_counter()
         release_file_pages(mapped.values())
         one_call = known.get("one_call", True)
         if isinstance(one_call, str):
-            print(f"warning: CPU backend: {one_call} (remembered from its check); steps run model.py's forward "
-                  "around its kernels", file=sys.stderr)
+            warn(f"{one_call} (remembered from its check)", AROUND)
         serve(transformer, products, mapped, not isinstance(one_call, str))
         phases["serve"] = time.perf_counter() - start
-        return True
+        return served_report(transformer, products)
     say = tp.is_rank0()  # under torchrun, rank 0 speaks for all
     if say:
         print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
@@ -221,11 +265,27 @@ def apply(transformer, mapped=None, phases=None) -> bool:
     if say:
         print(f" {'refused' if reason else 'serves'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     if isinstance(one_call, str) and not reason:
-        print(f"warning: CPU backend: {one_call}; steps run model.py's forward around its kernels", file=sys.stderr)
+        warn(one_call, AROUND)
     remember(key, reason, one_call)
     if reason:
         warn(reason)
-    return reason is None
+        return backend.torch_report(transformer, reason)
+    return served_report(transformer, products)
+
+
+def served_report(transformer, products) -> backend.Report:
+    """What the backend serves. Its steps are never compiled: a one-call step would only gain Dynamo's entry and
+    guards, and Inductor's kernels around few_rows.cpp's products do not give a verify's rows a decode's bits (a
+    Qwen2.5-Coder mxfp4 target drafted by its 0.5B parted from plain decoding at token 44; eagerly it does not)."""
+    one_call = isinstance(transformer.__dict__.get("forward"), OneCallStep)
+    operands = {m: m.operands() for m in products}
+    return backend.Report(
+        name="cpu", serves=f"few_rows.cpp: {len(products)} products and attention"
+        + (", each step one call" if one_call else ", steps through model.py's forward"),
+        one_call_step=one_call, compile_steps=False, sizes_threads=one_call,  # each output summed by one thread
+        step_bytes=backend.step_bytes(transformer, {m: (*ops[:2], m.bias) for m, ops in operands.items()}),
+        held_bytes=backend.held_bytes(transformer, [t for ops in operands.values() for t in ops]),
+        max_verify_tokens=MAX_VERIFY_TOKENS)
 
 
 def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, bool | str]:
@@ -257,7 +317,6 @@ def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, 
             # Seen on Qwen2.5-Coder mxfp4 (bf16): 0.006-0.018, from layer 21 of 24 on (not root-caused); the kernels
             # around model.py still serve.
             del transformer.forward
-            transformer.__dict__.pop("eager_steps", None)
             one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"
     off = rms(expected, around)
     if off > TOLERANCE:
@@ -298,9 +357,9 @@ def verdict_key(transformer) -> str:
         for key, value in sorted(vars(sys.modules[name]).items()):
             if not key.startswith("_") and isinstance(value, (bool, int, float, str, tuple, dict)):
                 digest.update(f"{name}.{key}={value!r}".encode())
-    digest.update(repr((kernels.build_name(kernels.SOURCE.read_text(), "native"), torch.__version__, sys.version,
-                        dataclasses.asdict(transformer.args), REPLACED, ONE_CALL, TOLERANCE, ONE_CALL_FP32,
-                        TOKENS)).encode())
+    build = kernels.built or kernels.build_name(kernels.source_text(), "native")
+    digest.update(repr((build, torch.__version__, sys.version, dataclasses.asdict(transformer.args), REPLACED, ONE_CALL,
+                        TOLERANCE, ONE_CALL_FP32, TOKENS)).encode())
     seen = set()
     for name, t in list(transformer.named_parameters()) + list(transformer.named_buffers()):
         digest.update(f"{name} {list(t.shape)} {t.dtype}".encode())
@@ -392,7 +451,6 @@ def serve(transformer, products, mapped, one_call=True) -> list:
         transformer.tok_embeddings.weight = transformer.output.weight
     if one_call:
         transformer.forward = OneCallStep(transformer, step_products + [transformer.output])
-        transformer.eager_steps = True  # compiling around one call only adds Dynamo's entry: see OneCallStep
     return originals
 
 
@@ -420,4 +478,3 @@ def restore(transformer, originals):
         for name in RUNTIME:
             module.__dict__.pop(name, None)
     transformer.__dict__.pop("forward", None)
-    transformer.__dict__.pop("eager_steps", None)

@@ -12,13 +12,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("few_rows.cpp")
-# A step: decode (1 token a row), draft catch-up (2) or verify (K + 1, K <= speculative.MAX_SPECULATE_K).
-# few_rows.cpp computes each row of a step by itself, whatever the number of rows, so a verify's rows are bit for
-# bit a decode step's and speculation stays exact in bf16 (a verify of 17 rows once took PyTorch's GEMM, which
-# rounds otherwise, and K = 16 changed the text).
+SOURCE = Path(__file__).with_name("few_rows.cpp")  # one translation unit of the headers in few_rows/
+# A step: decode (1 token a row), draft catch-up (2) or verify (K + 1 for K up to 32). few_rows.cpp computes each row
+# of a step by itself, whatever the number of rows, so a verify's rows are bit for bit a decode step's.
 STEP_TOKENS = 33
 loaded = None  # whether the ops are loaded; None: not tried yet
+built = None  # the name of the build loaded (build_name)
 
 
 def cpu_features() -> str:
@@ -30,11 +29,16 @@ def cpu_features() -> str:
         return platform.machine() + platform.processor()
 
 
-def build_name(source: str, march: str) -> str:
-    """The build's name, a hash of what made it (source, flags, the torch install and Python it links against, CPU
+def source_text() -> str:
+    """few_rows.cpp and its headers, as one text (what a build is made of)."""
+    return "\0".join(path.read_text() for path in [SOURCE, *sorted(SOURCE.with_suffix("").glob("*.h"))])
+
+
+def build_name(source: str, march: str, portable: bool = False) -> str:
+    """The build's name, a hash of what made it (sources, flags, the torch install and Python it links against, CPU
     features): a build from other sources or for another interpreter is never loaded."""
-    made_of = "\0".join([source, march, torch.__version__, str(Path(torch.__file__).resolve()), sys.version,
-                         cpu_features() if march == "native" else ""])
+    made_of = "\0".join([source, march, "portable" if portable else "", torch.__version__,
+                         str(Path(torch.__file__).resolve()), sys.version, cpu_features() if march == "native" else ""])
     return "few_rows_" + hashlib.sha256(made_of.encode()).hexdigest()[:16]
 
 
@@ -46,19 +50,22 @@ def build_root() -> Path:
 LOCK_WAIT_S = float(os.environ.get("FEW_ROWS_LOCK_WAIT_S", 900))  # then build beside the holder, not wait forever
 
 
-def build(march: str = "native"):
+def build(march: str = "native", portable: bool = False):
     """Load few_rows.cpp's ops built for `march`, building them first if no process has (the library is kept as
     BUILD_ROOT/NAME.so, ~/.cache/torch_extensions by default). A build runs in a directory of its own and renames
     its library into place, so checkouts and interpreters never rebuild each other's, a reader never loads half a
-    library, and a killed build leaves nothing that blocks the next (its lock is an flock, released at exit)."""
-    name = build_name(SOURCE.read_text(), march)
+    library, and a killed build leaves nothing that blocks the next (its lock is an flock, released at exit).
+    portable: without intrinsics (-DFEW_ROWS_PORTABLE), the plain code that the tests compare bit for bit."""
+    global built
+    name = build_name(source_text(), march, portable)
+    built = name
     root = build_root()
     root.mkdir(parents=True, exist_ok=True)
     library = root / f"{name}.so"
     if not library.is_file():
         with build_lock(root / f"{name}.lock"):
             if not library.is_file():
-                return compile_and_load(name, march, library)
+                return compile_and_load(name, march, library, portable)
     torch.ops.load_library(str(library))
 
 
@@ -99,7 +106,7 @@ def build_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def compile_and_load(name: str, march: str, library: Path):
+def compile_and_load(name: str, march: str, library: Path, portable: bool = False):
     """Build in a directory of this process's, load, and rename the library into place; says so on stderr."""
     from torch.utils.cpp_extension import load
     root = library.parent
@@ -108,12 +115,14 @@ def compile_and_load(name: str, march: str, library: Path):
         if not (pid.isdigit() and alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.build-{os.getpid()}-", dir=root))
-    print(f"building few_rows.cpp for this CPU (-march={march}; once per source, flags, torch and CPU)...", end="",
+    print(f"building few_rows.cpp for this CPU (-march={march}{', portable' if portable else ''}; once per source, "
+          "flags, torch and CPU)...", end="",
           file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
         load(name=name, sources=[str(SOURCE)], build_directory=str(work), is_python_module=False,
-             extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", f"-march={march}", "-fopenmp"] + (["-DFEW_ROWS_PORTABLE"] if portable else []),
+             extra_ldflags=["-fopenmp"])
         os.replace(work / f"{name}.so", library)
     except BaseException:
         print(" failed", file=sys.stderr)
@@ -134,13 +143,14 @@ def alive(pid: int) -> bool:
 
 
 def load() -> bool:
-    """The ops built for this CPU, once per process; False (with one warning) where they do not build (no C++
-    compiler): the model then runs on PyTorch's kernels alone."""
+    """The ops built for this CPU, once per process (or the build this process already loaded: one build a process);
+    False (with one warning) where they do not build (no C++ compiler): the model then runs on PyTorch's kernels."""
     global loaded
     if loaded is not None:
         return loaded
     try:
-        build()
+        if built is None:
+            build()
     except Exception as error:  # no compiler, no ninja, unknown flags: run without, and say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()

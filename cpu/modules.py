@@ -14,10 +14,9 @@ import quantize
 from cpu.kernels import STEP_TOKENS, many_rows, product, step_rows
 
 
-class Linear(model.Linear):
-    """model.Linear: a step's rows through few_rows.cpp (which gives every row the arithmetic it gets alone, so a
-    verify computes the logits a decode would); a prompt's through PyTorch's GEMM. Measured on the 49152 x 576
-    bf16 LM head, 1 / 5 rows (Intel Xeon, AVX-512 without BF16): 2.3 / 4.9 ms, F.linear 2.8 / 12.3."""
+class Linear(nn.Linear):
+    """nn.Linear: a step's rows through few_rows.cpp (which gives every row the arithmetic it gets alone, so a
+    verify computes the logits a decode would); a prompt's through PyTorch's GEMM."""
 
     def prepare(self):
         pass
@@ -161,7 +160,7 @@ class MXLinear(quantize.MXLinear):
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
-PRODUCTS = {model.Linear: Linear, quantize.Int8Linear: Int8Linear, quantize.Int4Linear: Int4Linear,
+PRODUCTS = {nn.Linear: Linear, quantize.Int8Linear: Int8Linear, quantize.Int4Linear: Int4Linear,
             quantize.MXLinear: MXLinear}
 
 
@@ -178,8 +177,7 @@ class Attention(model.Attention):
 
 class Stack:
     """Products that read the same input (q/k/v, gate/up) as one few_rows.cpp call over their operands stacked by
-    output rows (as the one-call step takes them): SmolLM2's 211 products a step become 121. Measured over its int8
-    products (2 threads, same process): 10.1 -> 9.7 ms at 1 row, 17.9 -> 15.8 at 5. The products keep their
+    output rows (as the one-call step takes them): SmolLM2's 211 products a step become 121. The products keep their
     operands, now views into the stacked copy, and every output is the same sum as in its own product."""
 
     def __init__(self, products, pages=None):
@@ -256,10 +254,8 @@ class HugePages:
 def move_to_huge_pages(products, pages: HugePages):
     """Copy what few_rows.cpp streams for these products (or stacks, in call order) into huge pages, and point them
     at the copies. The weights a step reads otherwise sit in 4 KiB pages, of the mapped file or of the heap: a TLB
-    miss every 4 KiB of a stream that reads ~30 GB/s. Measured on SmolLM2 (Zen 4, 2 threads, same process, seven
-    alternating runs): its 121 bf16 products 11.8 -> 9.7 ms, int8 6.8 -> 6.0, mxfp6 5.2 -> 4.6; the file's own
-    pages 12.3 ms, the heap's 11.0. One tensor at a time, each old copy freed before the next is made: loading
-    holds at most one tensor twice. -> products"""
+    miss every 4 KiB of a stream that reads ~30 GB/s (docs/performance.md has what that cost). One tensor at a
+    time, each old copy freed before the next is made: loading holds at most one tensor twice. -> products"""
     for p in products:
         for i in range(2):
             operands = list(p.operands()[:2])
@@ -279,10 +275,8 @@ class OneCallStep:
     stacked q/k/v product, rotary, the cache writes, attention, the output product, the residual, RMSNorm, gate/up,
     SiLU times up, down and the residual, then the final norm and the LM head; each result rounded to the model's
     dtype where model.py's eager PyTorch rounds it, so a bf16 step gives its logits bit for bit (the backend checks
-    that on every model before it serves). Other calls (prompts) take model.py's forward. Compiled by torch.compile
-    instead, the ~150 small kernels between the products, their Python calls and Dynamo's guards cost 1.5-2.8 ms a
-    SmolLM2 decode step (bf16 12.28 -> 10.78 ms, int8 7.90 -> 6.30, int4 10.46 -> 7.69; Zen 4, one process), so
-    the model's steps run eagerly (eager_steps)."""
+    that on every model before it serves). Other calls (prompts) take model.py's forward. It replaces ~150 small
+    kernels, their Python calls and Dynamo's guards (docs/how-it-works.md has what that saved)."""
 
     def __init__(self, transformer, products):
         self.model = transformer

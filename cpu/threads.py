@@ -1,5 +1,5 @@
-"""The CPU threads of a decode loop whose steps are the backend's single calls, sized to the cores other processes
-leave free."""
+"""The CPU threads of a decode loop whose results do not depend on them (the backend's one-call steps), sized to the
+cores other processes leave free."""
 import contextlib
 import os
 import time
@@ -10,16 +10,14 @@ import torch
 class ThreadSizer:
     """Sizes a decode loop's CPU threads to the cores other processes leave free, from its start to its end.
 
-    Threads that split every product and then wait for each other lose their turns to any other busy process:
-    with one busy loop beside it on 2 cores, SmolLM2's bf16 decode fell from ~140 to ~36-41 tok/s, where one
-    thread ran ~116 (Zen 5; llama.cpp collapses the same way). At the start it counts the other processes' tasks
-    that are running or waiting to (/proc/stat's procs_running less its own running threads, the least of three
-    looks: 0 on that idle machine, 1 beside the busy loop) and gives each a core. Then every ~0.1 s it reads how
-    busy its CPUs were less its own CPU time (its own spinning threads are its own): idle, the others took 0.0-0.1
-    cores, beside the busy loop 0.4-1.0. It runs one thread fewer while they take more than 0.3 of a core beyond
-    what it leaves them, and one more once they take less than 0.2 of the last one it gave up. Results do not
-    change: each output of a few-row step is summed by one thread. A no-op without /proc (not Linux) or on one
-    thread. generate.generate restores the thread count it found (keeps_thread_count)."""
+    Threads that split every product and then wait for each other lose their turns to any other busy process (the
+    collapse it avoids is measured in docs/how-it-works.md). At the start it counts the other processes' tasks that
+    are running or waiting to (/proc/stat's procs_running less its own running threads, the least of three looks)
+    and gives each a core. Then every ~0.1 s it reads how busy its CPUs were less its own CPU time (its own spinning
+    threads are its own); it runs one thread fewer while the others take more than 0.3 of a core beyond what it
+    leaves them, and one more once they take less than 0.2 of the last one it gave up. Used only where results do
+    not depend on the thread count (backend.Report.sizes_threads). A no-op without /proc (not Linux) or on one
+    thread. decoding.generate restores the thread count it found (keeps_thread_count)."""
 
     TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

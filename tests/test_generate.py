@@ -1,4 +1,6 @@
 """generate.py: real-weight greedy parity with transformers, compile-once decode, the CLI and its errors."""
+import contextlib
+import io
 import json
 import os
 import signal
@@ -12,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import humaneval_tasks
+import generate as generate_cli
 from conftest import ROOT
-from generate import Steps, TextStream, generate, load_model
+from decoding import Steps, generate
+from loading import load_model
 from model import ModelArgs, Transformer
+from prompts import humaneval_tasks
 from sampling import argmax, logits_to_probs
-from tokenizer import Tokenizer
+from tokenizer import TextStream, Tokenizer
 
 
 @torch.no_grad()
@@ -103,8 +107,20 @@ def test_top_k_top_p_keep_the_right_tokens():
     torch.testing.assert_close(cold, (logits / 0.5).softmax(-1))
 
 
-def cli(*args, script="generate.py"):
-    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+def cli(*args):
+    """generate.py's main(argv) in this process: (exit status, stdout, stderr) as a subprocess would give them, without
+    a process's start-up (~7 s of imports here). test_a_process_gives_one_line_errors runs the process itself."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            generate_cli.main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def process(*args):
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
 
@@ -132,6 +148,16 @@ def assert_one_line_error(result, *fragments):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def test_a_process_gives_one_line_errors(tiny, tmp_path):
+    """The contract as a user meets it, in a process of its own: one line on stderr, exit status 1, no traceback (the
+    other tests call main in-process)."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    result = process("--checkpoint_path", str(tmp_path / "missing"))
+    assert result.returncode == 1
+    assert_one_line_error(result, "missing", "not found")
+    assert_one_line_error(process("--checkpoint_path", str(ckpt), "--dtype", "fp64"), "--dtype fp64")
 
 
 def test_cli_bad_input_gives_one_line_errors(tiny, tmp_path):

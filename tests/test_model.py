@@ -3,7 +3,8 @@ cache/position semantics."""
 import pytest
 import torch
 
-from generate import load_model
+from checkpoint import read_model_args
+from loading import load_model
 
 TOL = 1e-4  # fp32 max abs logit difference allowed against transformers
 
@@ -32,7 +33,7 @@ def test_llama3_scaling_changes_frequencies(tiny):
     """Guards the parity test above: the tiny config must actually exercise the scaled regime."""
     from model import ModelArgs, rope_frequencies
     ckpt, _ = tiny("llama3_rope_scaling")
-    args = ModelArgs.from_config(ckpt / "config.json")
+    args = read_model_args(ckpt / "config.json")
     plain = ModelArgs(**{**args.__dict__, "rope_scaling": None})
     scaled, unscaled = rope_frequencies(args, "cpu"), rope_frequencies(plain, "cpu")
     ratio = unscaled / scaled

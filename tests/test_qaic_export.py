@@ -24,8 +24,9 @@ from safetensors.torch import save_file
 
 import export_qaic
 import run_onnx
-from bench import humaneval_tasks
-from generate import Steps, generate, load_model
+from prompts import humaneval_tasks
+from decoding import Steps, generate
+from loading import load_model
 from checkpoint import InputError
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer

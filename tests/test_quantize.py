@@ -9,10 +9,11 @@ import torch.nn as nn
 
 import mx
 import quantize
-from bench import humaneval_tasks
+from prompts import humaneval_tasks
 from conftest import ROOT
 from checkpoint import map_safetensors
-from generate import Steps, generate, load_model
+from decoding import Steps, generate
+from loading import load_model
 from speculative import ModelDrafter
 from test_generate import assert_interrupted, assert_one_line_error, cli, interrupted
 from tokenizer import Tokenizer
@@ -116,7 +117,7 @@ def test_quantized_greedy_equals_dequantized_reference(quantized, prompts, mode)
 def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):
     """The bf16 model, compiled, with its own int4 and mxfp4 files as drafts emits exactly its plain greedy
     tokens: the verify step's logits equal the decode step's bit for bit (few_rows.cpp and
-    emulate_precision_casts in generate.Steps), so speculation cannot change a near-tie."""
+    emulate_precision_casts in decoding.Step), so speculation cannot change a near-tie."""
     torch._dynamo.reset()
     ckpt, _ = smollm2
     target = load_model(ckpt, "cpu", torch.bfloat16)
@@ -136,7 +137,7 @@ def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):
 LOAD_PEAK = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
-import generate, model
+import backend, loading, model
 from cpu import kernels
 def kib(key):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
@@ -146,8 +147,8 @@ with torch.device("meta"):
 for dtype in (torch.bfloat16, torch.float32):  # the GEMM code the CPU backend's canary runs PyTorch's model with
     torch.nn.functional.linear(torch.ones(24, 576, dtype=dtype), torch.ones(4096, 576, dtype=dtype))
 base = kib("VmRSS")
-loaded = generate.load_model(sys.argv[1], "cpu", torch.bfloat16)
-print((kib("VmHWM") - base) * 1024, generate.model_bytes_per_step(loaded))
+loaded = loading.load_model(sys.argv[1], "cpu", torch.bfloat16)
+print((kib("VmHWM") - base) * 1024, backend.report(loaded).step_bytes)
 """
 
 
@@ -168,7 +169,7 @@ def test_loading_peak_stays_within_the_file_and_runtime_buffers(quantized):
 HUGE_PAGES = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
-import generate
+import loading
 def kib(key, path="/proc/self/status"):
     return next(int(line.split()[1]) for line in open(path) if line.startswith(key))
 def file_resident(path):  # KiB of this file's pages mapped in the process
@@ -179,7 +180,7 @@ def file_resident(path):  # KiB of this file's pages mapped in the process
         elif inside and line.startswith("Rss:"):
             total += int(line.split()[1])
     return total
-loaded = generate.load_model(sys.argv[1], "cpu", torch.bfloat16)
+loaded = loading.load_model(sys.argv[1], "cpu", torch.bfloat16)
 print(file_resident(sys.argv[1]) * 1024, kib("AnonHugePages:", "/proc/self/smaps_rollup") * 1024)
 """
 
@@ -255,11 +256,11 @@ def test_mx_quantizes_in_row_chunks_to_the_same_codes():
 
 
 def test_bytes_per_step_count_what_each_backend_reads(quantized):
-    """model_bytes_per_step (the GB/s and % of bandwidth of every report): model.py's modules read their file
+    """backend.Report.step_bytes (the GB/s and % of bandwidth of every report): model.py's modules read their file
     layouts; the CPU backend's modules their operands (mxfp4 expanded to a byte a code: more than the file); gpu.py's
     int4 its packed codes and scales (counted as nothing before: int4's GB/s was ~5x low on CUDA). The embedding
     table is not read by a step (one row of it)."""
-    import generate
+    import backend
     import gpu
 
     def total(tensors):
@@ -270,7 +271,7 @@ def test_bytes_per_step_count_what_each_backend_reads(quantized):
         files = [t for m in plain.modules() if m is not plain.tok_embeddings
                  for t in [*m.parameters(recurse=False), *(b for n, b in m.named_buffers(recurse=False)
                                                             if n in ("weight", "scales", "scales_and_zeros"))]]
-        assert generate.model_bytes_per_step(plain) == total(files), mode
+        assert backend.report(plain).step_bytes == total(files), mode
         served = load_model(quantized[mode], "cpu", torch.bfloat16)
         reads = []
         for m in served.modules():
@@ -279,12 +280,12 @@ def test_bytes_per_step_count_what_each_backend_reads(quantized):
             elif m is not served.tok_embeddings:
                 reads += list(m.parameters(recurse=False))
         assert any(hasattr(m, "operands") for m in served.modules()), mode  # the backend serves it
-        assert generate.model_bytes_per_step(served) == total(reads), mode
+        assert backend.report(served).step_bytes == total(reads), mode
         if mode == "mxfp4":  # expanded codes: a byte each, where the file packs two
-            assert generate.model_bytes_per_step(served) > 1.5 * generate.model_bytes_per_step(plain)
+            assert backend.report(served).step_bytes > 1.5 * backend.report(plain).step_bytes
     # gpu.py's int4 (building one needs CUDA): the same codes and scales, repacked into a buffer named `packed`
     model = load_model(quantized["int4"], "cpu", torch.bfloat16, backend="torch")
-    before = generate.model_bytes_per_step(model)
+    before = backend.step_bytes(model)
     for name, ref in [(n, m) for n, m in model.named_modules() if type(m) is quantize.Int4Linear]:
         fast = gpu.TinyGemmInt4Linear.__new__(gpu.TinyGemmInt4Linear)
         nn.Module.__init__(fast)
@@ -293,4 +294,4 @@ def test_bytes_per_step_count_what_each_backend_reads(quantized):
         fast.bias = ref.bias
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, fast)
-    assert generate.model_bytes_per_step(model) == before
+    assert backend.step_bytes(model) == before

@@ -22,8 +22,8 @@ def test_readme_flags_exist():
             assert flag in flags, flag
 
 
-LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "cpu",
-           "cpu.kernels", "cpu.modules", "cpu.threads", "gpu")
+LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "backend",
+           "loading", "decoding", "prompts", "cpu", "cpu.kernels", "cpu.modules", "cpu.threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 
 
@@ -63,3 +63,45 @@ def test_imports_run_one_way():
             done.add(node)
     for module in graph:
         visit(module)
+
+
+def test_only_the_cli_s_own_tests_import_the_cli():
+    """generate.py is the CLI: library modules, scripts and tests import the library (loading, decoding, ...); only
+    the tests of the CLI itself (its flags, errors and output) import it."""
+    importers = []
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("cpu/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
+        if re.search(r"^\s*(import generate\b|from generate import)", path.read_text(), re.M):
+            importers.append(path.relative_to(ROOT).as_posix())
+    assert sorted(importers) == ["tests/test_cli.py", "tests/test_generate.py", "tests/test_readme.py"], importers
+
+
+def test_model_py_imports_torch_and_the_standard_library_only():
+    import ast
+    import sys
+    tree = ast.parse((ROOT / "model.py").read_text())
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert all(r == "torch" or r in sys.stdlib_module_names for r in roots), roots
+
+
+# What the backends keep in their modules; outside them, callers read backend.report(model).
+BACKEND_INTERNALS = {"eager_steps", "operands", "step_operands", "scale_factors", "group_factors", "nibbles", "packed",
+                     "OneCallStep", "TinyGemmInt4Linear"}
+
+
+def test_callers_read_the_backend_s_report_not_its_attributes():
+    """The loop, the loader, the drafter, tensor parallelism, the CLI and the scripts learn what a backend did from
+    its report (backend.Report), never by probing its modules: no attribute, name or string of a backend's internals
+    in their code (comments and docstrings aside), and no hasattr / getattr on a model or a drafter."""
+    import ast
+    for name in ("decoding.py", "loading.py", "speculative.py", "tp.py", "generate.py", "backend.py", "model.py",
+                 "scripts/bench.py", "scripts/bench_load.py", "scripts/eval_ppl.py"):
+        found = []
+        for node in ast.walk(ast.parse((ROOT / name).read_text())):
+            words = {getattr(node, "attr", None), getattr(node, "id", None)}
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hasattr", "getattr"):
+                target = node.args[0]
+                words.add(getattr(target, "id", None) in ("model", "m", "drafter", "transformer") and "probe")
+                words.update(a.value for a in node.args[1:] if isinstance(a, ast.Constant))
+            found += sorted(w for w in words & (BACKEND_INTERNALS | {"probe"}))
+        assert not found, (name, found)

@@ -11,8 +11,9 @@ import json
 import pytest
 import torch
 
-from bench import humaneval_tasks
-from generate import Steps, generate, load_model
+from prompts import humaneval_tasks
+from decoding import Steps, generate
+from loading import load_model
 from speculative import ModelDrafter
 from test_generate import hf_greedy
 from tokenizer import Tokenizer

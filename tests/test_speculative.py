@@ -5,8 +5,9 @@ import zlib
 import pytest
 import torch
 
-from bench import humaneval_tasks
-from generate import Steps, generate, load_model
+from prompts import humaneval_tasks
+from decoding import Steps, generate
+from loading import load_model
 from model import ModelArgs, Transformer
 from sampling import logits_to_probs
 from speculative import ModelDrafter, NgramDrafter, accept, verify

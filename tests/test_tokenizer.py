@@ -8,7 +8,7 @@ import copy
 
 from tokenizers import pre_tokenizers
 
-from bench import humaneval_tasks
+from prompts import humaneval_tasks
 from tokenizer import Tokenizer
 
 

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 import quantize
 import tp
-from bench import humaneval_tasks
+from prompts import humaneval_tasks
 from checkpoint import InputError, map_safetensors
-from generate import load_model
+from loading import load_model
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 from tp_worker import run_cases

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tp  # noqa: E402
-from generate import Steps, generate, load_model  # noqa: E402
+from backend import report  # noqa: E402
+from decoding import Steps, generate  # noqa: E402
+from loading import load_model  # noqa: E402
 from speculative import ModelDrafter  # noqa: E402
 
 
@@ -30,10 +32,10 @@ def run_cases(cases, group=None):
             drafter = ModelDrafter(load_model(case["draft"], "cpu", draft_dtype), compile=case.get("compile", False))
         rows, stats = generate(model, case["prompts"], case["max_new_tokens"], Steps(compile=case.get("compile", False)),
                                temperature=0.0, drafter=drafter, speculate_k=case.get("speculate_k", 3))
-        held = [tp.weight_bytes(model)]
+        held = [report(model).held_bytes]
         if group is not None:
             held = [None] * dist.get_world_size(group)
-            dist.all_gather_object(held, tp.weight_bytes(model), group=group)
+            dist.all_gather_object(held, report(model).held_bytes, group=group)
         results.append(dict(tokens=rows, weight_bytes=held, mean_accepted=stats.get("mean_accepted")))
     return results
 

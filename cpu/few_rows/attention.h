@@ -1,0 +1,171 @@
+// Attention of a step's rows over the KV cache, each row by itself.
+#pragma once
+
+namespace {
+
+// Attention of a few query rows over the KV cache, each row on its own (the same arithmetic whatever the number
+// of rows, as for the products). q [B, H, R, D]: the R = G * T query rows of KV head h, row i being token i % T
+// at position positions[b, i % T]; k, v [B, H, L, D], the cache; a row attends slots 0..its position (later
+// slots hold padding or rejected drafts). In float: a score is a dot product in two 8-lane chains (even and odd
+// 8-element chunks of D) summed in a fixed tree (sum4x8); the softmax's exp is exp8; the weighted sum of values
+// runs over slots in order. The G rows of a token (its query heads) go together, sharing each load of a key or a
+// value, which is converted to float in registers as it is read (not copied to a float cache first: the copy was
+// written at every call and spilled out of L2 at long contexts).
+// The scores of RB query rows (float [RB][D]) over slots s0 .. s0 + 3 of keys [4][D]: per row and slot a dot
+// product in two 8-lane chains (even and odd 8-element chunks of D) summed in a fixed tree (sum4x8).
+template <int RB, class T>
+inline void scores4(const T* keys, const float* queries, int64_t D, float* scores, int64_t stride) {
+  f32x8 even[RB][4], odd[RB][4];
+  for (int r = 0; r < RB; r++)
+    for (int j = 0; j < 4; j++) even[r][j] = odd[r][j] = f32x8{};
+  for (int64_t d = 0; d < D; d += 16)
+    for (int j = 0; j < 4; j++) {
+      const f32x8 k_even = load8(keys + j * D + d), k_odd = load8(keys + j * D + d + 8);
+      for (int r = 0; r < RB; r++) {
+        even[r][j] += k_even * load8(&queries[r * D + d]);
+        odd[r][j] += k_odd * load8(&queries[r * D + d + 8]);
+      }
+    }
+  for (int r = 0; r < RB; r++) {
+    for (int j = 0; j < 4; j++) even[r][j] += odd[r][j];
+    sum4x8(even[r], scores + r * stride);
+  }
+}
+
+// Scores of RB rows of one token (they share each key load) over slots 0 .. last, 4 at a time: past last they
+// are masked later; past the cache's end a zero-padded copy stands in.
+template <int RB, class T>
+void scores_rows(const T* keys, int64_t cache, const float* queries, int64_t last, int64_t D, float* scores,
+                 int64_t stride) {
+  int64_t s0 = 0;
+  for (; s0 <= last && s0 + 4 <= cache; s0 += 4) scores4<RB>(keys + s0 * D, queries, D, scores + s0, stride);
+  if (s0 <= last) {
+    std::vector<T> tail(4 * D, T(0.f));
+    std::copy(keys + s0 * D, keys + cache * D, tail.begin());
+    scores4<RB>(tail.data(), queries, D, scores + s0, stride);
+  }
+}
+
+// out[r][0 .. 8 NC) = (sum over slots s < n, in order, of weights[r][s] * values[s D + 0 .. 8 NC)) / total[r], for
+// RB rows sharing each load of values.
+template <int NC, int RB, class T>
+void weighted_sum(const T* values, const float* weights, int64_t stride, int64_t n, int64_t D, const float* total,
+                  float* out) {
+  f32x8 acc[RB][NC];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < NC; c++) acc[r][c] = f32x8{};
+  for (int64_t s = 0; s < n; s++)
+    for (int c = 0; c < NC; c++) {
+      const f32x8 value = load8(values + s * D + 8 * c);
+      for (int r = 0; r < RB; r++) acc[r][c] += value * weights[r * stride + s];
+    }
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < NC; c++) {
+      const f32x8 v = acc[r][c] / total[r];
+      std::memcpy(out + r * D + 8 * c, &v, sizeof v);
+    }
+}
+
+template <int RB, class T>
+void weighted_sums(const T* values, const float* weights, int64_t stride, int64_t n, int64_t D, const float* total,
+                   float* out) {
+  for (int64_t d = 0; d < D; d += 64) {
+    switch (std::min<int64_t>(D - d, 64) / 8) {  // D is a multiple of 16
+      case 8: weighted_sum<8, RB>(values + d, weights, stride, n, D, total, out + d); break;
+      case 6: weighted_sum<6, RB>(values + d, weights, stride, n, D, total, out + d); break;
+      case 4: weighted_sum<4, RB>(values + d, weights, stride, n, D, total, out + d); break;
+      default: weighted_sum<2, RB>(values + d, weights, stride, n, D, total, out + d); break;
+    }
+  }
+}
+
+// Rows of one token at a time, up to 3 together (AVX-512 has the registers; AVX2's 16 hold one row's chains).
+#if FR_AVX512F
+constexpr int ROW_BLOCK = 3;
+#else
+constexpr int ROW_BLOCK = 1;
+#endif
+
+template <class T>
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), cache = k.size(2), tokens = positions.size(1);
+  at::Tensor y = at::empty(q.sizes(), q.options());
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float root = std::sqrt(float(D));
+  const int64_t groups = R / tokens;  // query heads per KV head; row g * tokens + t is token t of head g
+  // A task per KV head and token: a verify's 15 (5 tokens x 3 KV heads) split 8 / 7 over 2 threads, where the
+  // 3 KV heads alone split 2 / 1.
+  at::parallel_for(0, B * H * tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(ROW_BLOCK * D), scores, out(ROW_BLOCK * D);
+    for (int64_t job = begin; job < end; job++) {
+      const int64_t task = job / tokens, t = job % tokens, b = task / H;
+      const T* head_keys = kp + task * cache * D;
+      const T* head_values = vp + task * cache * D;
+      for (int64_t g0 = 0; g0 < groups; g0 += ROW_BLOCK) {
+        const int rb = int(std::min<int64_t>(ROW_BLOCK, groups - g0));
+        const int64_t last = std::min(pos[b * tokens + t], cache - 1);
+        const int64_t padded = (last + 8) / 8 * 8;  // scores go 4 and 8 slots at a time
+        scores.resize(ROW_BLOCK * padded);
+        for (int r = 0; r < rb; r++)
+          for (int64_t d = 0; d < D; d++) queries[r * D + d] = float(qp[(task * R + (g0 + r) * tokens + t) * D + d]);
+        switch (rb) {
+          case 3: scores_rows<3>(head_keys, cache, queries.data(), last, D, scores.data(), padded); break;
+          case 2: scores_rows<2>(head_keys, cache, queries.data(), last, D, scores.data(), padded); break;
+          default: scores_rows<1>(head_keys, cache, queries.data(), last, D, scores.data(), padded); break;
+        }
+        float total[ROW_BLOCK];
+        for (int r = 0; r < rb; r++) {
+          float* row_scores = scores.data() + r * padded;
+          f32x8 top = f32x8{} - INFINITY;  // slots past last (to the next 8) hold other slots' scores: masked
+          for (int64_t s0 = 0; s0 <= last; s0 += 8) {
+            const f32x8 s = load8(&row_scores[s0]) / root;
+            std::memcpy(&row_scores[s0], &s, sizeof s);
+            top = i32x8{0, 1, 2, 3, 4, 5, 6, 7} + int32_t(s0) <= int32_t(last) && s > top ? s : top;
+          }
+          float largest = top[0];
+          total[r] = 0.f;
+          for (int j = 1; j < 8; j++) largest = std::max(largest, top[j]);
+          f32x8 totals = {};
+          for (int64_t s0 = 0; s0 <= last; s0 += 8) {
+            f32x8 e = exp8(load8(&row_scores[s0]) - largest);
+            e = i32x8{0, 1, 2, 3, 4, 5, 6, 7} + int32_t(s0) <= int32_t(last) ? e : f32x8{};
+            std::memcpy(&row_scores[s0], &e, sizeof e);
+            totals += e;
+          }
+          for (int j = 0; j < 8; j++) total[r] += totals[j];
+        }
+        switch (rb) {
+          case 3: weighted_sums<3>(head_values, scores.data(), padded, last + 1, D, total, out.data()); break;
+          case 2: weighted_sums<2>(head_values, scores.data(), padded, last + 1, D, total, out.data()); break;
+          default: weighted_sums<1>(head_values, scores.data(), padded, last + 1, D, total, out.data()); break;
+        }
+        for (int r = 0; r < rb; r++)
+          for (int64_t d = 0; d < D; d++)
+            yp[(task * R + (g0 + r) * tokens + t) * D + d] = static_cast<T>(out[r * D + d]);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+              "few_rows: attention takes contiguous q [B, H, R, D] and k, v [B, H, L, D]");
+  TORCH_CHECK(q.size(3) % L == 0, "few_rows: head dim ", q.size(3), " is not a multiple of ", L);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "few_rows: q, k, v dtypes differ");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2 &&
+                  positions.size(0) == q.size(0) && q.size(2) % positions.size(1) == 0,
+              "few_rows: positions must be contiguous int64 [B, T], T dividing the query rows");
+  switch (q.scalar_type()) {
+    case at::kBFloat16: return attention_rows<c10::BFloat16>(q, k, v, positions);
+    case at::kFloat: return attention_rows<float>(q, k, v, positions);
+    default: TORCH_CHECK(false, "few_rows: attention dtype must be bfloat16 or float32, not ", q.scalar_type());
+  }
+}
+
+}  // namespace

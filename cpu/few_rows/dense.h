@@ -1,0 +1,188 @@
+// Products with fp32, bf16 and int8 weights (DenseWeight, Bf16Pairs).
+#pragma once
+
+namespace {
+
+// A weight matrix hands out rows; row(k) gives the 16 weights from k as floats. Codes of type T, times one
+// factor per block of 2^shift along k (Blocks). One factor per row (Rows) multiplies the row's finished sums
+// instead: a multiply per output, not per 16 weights.
+enum Factors { None, Blocks, Rows };
+template <class T, Factors F>
+struct DenseWeight {
+  const T* w;
+  const float* factors;
+  int64_t K, per_row, shift;
+  struct Row {
+    const T* w;
+    const float* factors;
+    int64_t shift;
+    void prefetch(int64_t k) const { __builtin_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES); }
+    __attribute__((always_inline)) f32x16 operator()(int64_t k) const {
+      f32x16 v = to_float(w + k);
+      return F == Blocks ? v * factors[k >> shift] : v;
+    }
+    float finish(float sum) const { return F == Rows ? sum * factors[0] : sum; }
+  };
+  Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
+};
+
+// bf16 weights (without block factors) against the activations rounded to bf16, which a bf16 model's already
+// are, multiplied in pairs: lane i of 16 adds the exact products of elements 2i + 1, then 2i, of each 32 along
+// k, each with one rounding (a fused multiply-add). That is AVX512_BF16's vdpbf16ps, one instruction per 32
+// weights and input row, where converting the weights and two FMAs took three (Zen 4 runs a 512-bit FMA as two
+// halves): see tile(Bf16Pairs). Other CPUs get the same sums from the halves of each 32-bit pair, the high bf16
+// being the word with its low half cleared and the low one the word shifted up 16. (The instruction also flushes
+// denormal operands and results to zero; the two agree unless a weight, an input or a partial sum is below
+// 1.2e-38 in magnitude.)
+template <Factors F>  // None or Rows
+struct Bf16Pairs {
+  const uint32_t* w;  // [N, K / 2] pairs
+  const float* factors;
+  float finish(int64_t n, float sum) const { return F == Rows ? sum * factors[n] : sum; }
+};
+
+// The input rows [M, K] as tile(Bf16Pairs) reads them: bf16 in order for vdpbf16ps; elsewhere floats, each 32
+// along k stored as its 16 odd elements, then its 16 even ones (lane i: elements 2i + 1 and 2i).
+// In a tensor, for its 64-byte alignment (a 64-byte load of x must not straddle two cache lines).
+#if FR_AVX512BF16
+typedef uint16_t PairInput;
+constexpr auto kPairInput = at::kBFloat16;
+#else
+typedef float PairInput;
+constexpr auto kPairInput = at::kFloat;
+#endif
+at::Tensor pair_inputs(const float* x, int64_t M, int64_t K) {
+  at::Tensor buffer = at::empty({M * K}, at::TensorOptions().dtype(kPairInput));
+  PairInput* out = reinterpret_cast<PairInput*>(buffer.data_ptr());
+#if FR_AVX512BF16  // nearest, ties to even, 32 at a time (denormals flushed to zero, as in vdpbf16ps)
+  for (int64_t i = 0; i < M * K; i += 2 * L)
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + L), _mm512_loadu_ps(x + i)));
+#else
+  for (int64_t i = 0; i < M * K; i += 2 * L)
+    for (int j = 0; j < L; j++) {
+      out[i + j] = bf16_value(round_to_bf16(x[i + 2 * j + 1]));
+      out[i + L + j] = bf16_value(round_to_bf16(x[i + 2 * j]));
+    }
+#endif
+  return buffer;
+}
+
+#if !FR_AVX512BF16
+// The 16 high (odd) or low (even) bf16 of 16 pairs, as floats.
+inline f32x16 pair_halves(const uint32_t* p, bool high) {
+  f32x16 v;
+#if FR_AVX512F
+  const __m512i words = _mm512_loadu_si512(p);
+  v.part[0] = (native)(high ? _mm512_and_si512(words, _mm512_set1_epi32(int(0xffff0000))) : _mm512_slli_epi32(words, 16));
+#elif FR_AVX2
+  for (int h = 0; h < 2; h++) {
+    const __m256i words = _mm256_loadu_si256((const __m256i*)(p + 8 * h));
+    v.part[h] = (native)(high ? _mm256_and_si256(words, _mm256_set1_epi32(int(0xffff0000))) : _mm256_slli_epi32(words, 16));
+  }
+#else
+  for (int j = 0; j < L; j++) {
+    uint32_t word;
+    std::memcpy(&word, p + j, 4);
+    v.part[j / W][j % W] = bf16_value(high ? word >> 16 : word & 0xffff);
+  }
+#endif
+  return v;
+}
+#endif
+
+// R input rows (up to RowsPerPass) times weight rows n0 .. n1 - 1, one pass over each weight row, streaming one
+// row of weights at a time (several side by side were slower on the AMD CPUs measured). Two sums per row, of the
+// even and the odd 16 weights of each 32, added at the end: one chain of FMAs waited on itself. Registers: 2R
+// sums and two converted weight vectors. Not inlined: inlined into product's parallel loop, GCC kept the
+// accumulators on the stack; the explicit zeroing, unlike `= {}`, does not clear a stack copy at every call.
+// (What each choice measured: docs/performance.md, few_rows.cpp's design.)
+template <int R, class Weight>
+__attribute__((noinline)) void tile(const Weight& weight, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                                    float* y) {
+  for (int64_t n = n0; n < n1; n++) {
+    f32x16 even[R], odd[R];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < L / W; h++) even[r].part[h] = odd[r].part[h] = native{};
+    const auto row = weight.row(n);
+    int64_t k = 0;
+    for (; k + 2 * L <= K; k += 2 * L) {
+      const f32x16 w0 = row(k), w1 = row(k + L);
+      row.prefetch(k);
+      row.prefetch(k + L);
+      for (int r = 0; r < R; r++) {
+        even[r] += load(x + r * K + k) * w0;
+        odd[r] += load(x + r * K + k + L) * w1;
+      }
+    }
+    if (k < K) {  // K an odd multiple of 16
+      const f32x16 w0 = row(k);
+      for (int r = 0; r < R; r++) even[r] += load(x + r * K + k) * w0;
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = row.finish(sum_lanes(even[r] += odd[r]));
+  }
+}
+
+template <class T, Factors F>
+struct RowsPerPass<DenseWeight<T, F>> {
+  static constexpr int value = W == 16 ? 7 : 3;  // AVX2 holds 16 lanes in two of its 16 registers; 8 rows were slower
+};
+
+// The same for bf16 pairs (Bf16Pairs), x from pair_inputs: 32 weights a step, one vdpbf16ps per input row where
+// the CPU has it. At 2 rows and more a second prefetch, into L2 and 16 KB ahead (AVX512_BF16 only, where it was
+// measured): the stream otherwise waited on memory and on the multiply-adds in turn.
+template <int R, Factors F>
+__attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
+                                    int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; n++) {
+    f32x16 acc[R];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
+    const uint32_t* pairs = weight.w + n * (K / 2);
+    for (int64_t k = 0; k < K; k += 2 * L) {
+      const uint32_t* p = pairs + k / 2;
+      __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES);
+#if FR_AVX512BF16
+      if (R >= 2) __builtin_prefetch(reinterpret_cast<const char*>(p) + 16384, 0, 2);  // to L2: see above
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(p);
+      for (int r = 0; r < R; r++)
+        acc[r].part[0] = (native)_mm512_dpbf16_ps((__m512)acc[r].part[0], w, (__m512bh)_mm512_loadu_si512(x + r * K + k));
+#else
+      const f32x16 high = pair_halves(p, true), low = pair_halves(p, false);
+      for (int r = 0; r < R; r++) {
+        acc[r] += load(x + r * K + k) * high;
+        acc[r] += load(x + r * K + k + L) * low;
+      }
+#endif
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = weight.finish(n, sum_lanes(acc[r]));
+  }
+}
+
+template <class T>
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  const T* codes = reinterpret_cast<const T*>(w.data_ptr());
+  const float* xp = x.data_ptr<float>();
+  if (!factors) return product(DenseWeight<T, None>{codes, nullptr, K, 0, 0}, xp, M, K, N);
+  TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
+              "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
+  const int64_t per_row = factors->numel() / N;
+  if (per_row == 1) return product(DenseWeight<T, Rows>{codes, factors->data_ptr<float>(), K, 1, 0}, xp, M, K, N);
+  return product(DenseWeight<T, Blocks>{codes, factors->data_ptr<float>(), K, per_row,
+                                        block_shift(K, per_row, "factors")}, xp, M, K, N);
+}
+
+// bf16 weights: in pairs (Bf16Pairs) when no block factor scales them and K is a multiple of 32.
+at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<uint16_t>(x, w, factors);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.data_ptr());
+  const at::Tensor inputs = pair_inputs(x.data_ptr<float>(), M, K);
+  const PairInput* xp = reinterpret_cast<const PairInput*>(inputs.data_ptr());
+  if (!factors) return product(Bf16Pairs<None>{pairs, nullptr}, xp, M, K, N);
+  TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
+              "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
+  return product(Bf16Pairs<Rows>{pairs, factors->data_ptr<float>()}, xp, M, K, N);
+}
+
+}  // namespace

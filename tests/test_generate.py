@@ -107,20 +107,25 @@ def test_top_k_top_p_keep_the_right_tokens():
     torch.testing.assert_close(cold, (logits / 0.5).softmax(-1))
 
 
-def cli(*args):
+def cli(*args, script="generate.py"):
     """generate.py's main(argv) in this process: (exit status, stdout, stderr) as a subprocess would give them, without
-    a process's start-up (~7 s of imports here). test_a_process_gives_one_line_errors runs the process itself."""
+    a process's start-up (~7 s of imports here); another script runs in a process of its own (process()).
+    test_a_process_gives_one_line_errors runs generate.py's process itself."""
+    if script != "generate.py":
+        return process(*args, script=script)
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             generate_cli.main([str(a) for a in args])
-        except SystemExit as e:
+        except SystemExit as e:  # sys.exit("error: ...") prints its message, as the interpreter would
             code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def process(*args):
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
+def process(*args, script="generate.py"):
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
 

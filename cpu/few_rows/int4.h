@@ -37,27 +37,35 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
   return r;
 }
 
-// Int4Linear's runtime layout (cpu.modules.int4_layout): each 64 codes of a row in 32 bytes, byte j holding code j
-// in its low nibble and code 32 + j in its high one, so one mask and one shift of a 32-byte load give two blocks
-// of 32 codes in order; where K ends in a lone block, its 16 bytes hold code j low and code 16 + j high. Code i
-// of a row, for the plain code below:
-inline int int4_code(const uint8_t* row, int64_t K, int64_t i) {
-  const int64_t chunk = i / 64 * 64, span = std::min<int64_t>(64, K - chunk), j = i - chunk;
-  const uint8_t byte = row[chunk / 2 + j % (span / 2)];
-  return j < span / 2 ? byte & 15 : byte >> 4;
-}
+// Int4Linear's runtime layout (cpu.modules.int4_layout): codes [N, K / 2], each 64 codes of a row in 32 bytes, byte
+// j holding code j in its low nibble and code 32 + j in its high one, so one mask and one shift of a 32-byte load
+// give two blocks of 32 codes in order (where K ends in a lone block, its 16 bytes hold code j low and code 16 + j
+// high); and float32 factors [N, K / group, 2], each group's (scale, offset): w = code * scale + offset.
+struct Int4Weight {
+  const uint8_t* codes;
+  const float* factors;
+  int64_t K, shift;  // in_features; log2 of the group length
+  const uint8_t* row(int64_t n) const { return codes + n * (K / 2); }
+  const float* groups(int64_t n) const { return factors + 2 * n * (K >> shift); }
+  // Code i of a row, for the plain code.
+  static int code(const uint8_t* row, int64_t K, int64_t i) {
+    const int64_t chunk = i / 64 * 64, span = std::min<int64_t>(64, K - chunk), j = i - chunk;
+    const uint8_t byte = row[chunk / 2 + j % (span / 2)];
+    return j < span / 2 ? byte & 15 : byte >> 4;
+  }
+};
 
 // C weight rows n0.. times R rounded rows m0..: one 8-lane float sum per output over the blocks in order (lane l of
 // a block: the integer dot product of its codes 4l .. 4l + 3), then a fixed tree, plus the offsets' sum, which runs
 // group by group in its own scalar chain alongside the blocks (so that the chain overlaps them); every output the
 // same arithmetic whatever R and C. Two blocks a step from one 32-byte load (a mask and a shift per 32 codes).
 template <int R, int C>
-__attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* groups, const RoundedRows& a,
-                                         int64_t K, int64_t N, int64_t shift, int64_t m0, int64_t n0, float* y) {
-  const int64_t G = K >> shift;
+__attribute__((noinline)) void tile_int4(const Int4Weight& weight, const RoundedRows& a, int64_t N, int64_t m0,
+                                         int64_t n0, float* y) {
+  const int64_t K = weight.K, shift = weight.shift, G = K >> shift;
   const uint8_t* w[C];
   const float* g[C];
-  for (int c = 0; c < C; c++) w[c] = nibbles + (n0 + c) * (K / 2), g[c] = groups + 2 * (n0 + c) * G;
+  for (int c = 0; c < C; c++) w[c] = weight.row(n0 + c), g[c] = weight.groups(n0 + c);
 #if FR_AVX2 && FR_FMA
   const __m256i low = _mm256_set1_epi8(15);
   __m256 acc[R][C];
@@ -176,7 +184,7 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
         const float scale = g[c][2 * group] * a.d[(m0 + r) * (K / 32) + k / 32];
         for (int l = 0; l < 8; l++) {
           int dot = 0;
-          for (int j = 4 * l; j < 4 * l + 4; j++) dot += int4_code(w[c], K, k + j) * a.q[(m0 + r) * K + k + j];
+          for (int j = 4 * l; j < 4 * l + 4; j++) dot += Int4Weight::code(w[c], K, k + j) * a.q[(m0 + r) * K + k + j];
           lanes[l] = std::fma(float(dot), scale, lanes[l]);
         }
       }
@@ -187,14 +195,13 @@ __attribute__((noinline)) void tile_int4(const uint8_t* nibbles, const float* gr
 }
 
 template <int C>
-void rows_int4(const uint8_t* nibbles, const float* groups, const RoundedRows& a, int64_t M, int64_t K, int64_t N,
-               int64_t shift, int64_t n0, float* y) {
+void rows_int4(const Int4Weight& weight, const RoundedRows& a, int64_t M, int64_t N, int64_t n0, float* y) {
   for (int64_t m = 0; m < M; m += 4) {
     switch (M - m < 4 ? M - m : 4) {
-      case 1: tile_int4<1, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
-      case 2: tile_int4<2, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
-      case 3: tile_int4<3, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
-      default: tile_int4<4, C>(nibbles, groups, a, K, N, shift, m, n0, y); break;
+      case 1: tile_int4<1, C>(weight, a, N, m, n0, y); break;
+      case 2: tile_int4<2, C>(weight, a, N, m, n0, y); break;
+      case 3: tile_int4<3, C>(weight, a, N, m, n0, y); break;
+      default: tile_int4<4, C>(weight, a, N, m, n0, y); break;
     }
   }
 }
@@ -210,14 +217,13 @@ at::Tensor int4(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const int64_t M = x.size(0);
   const RoundedRows a = round_rows(x.data_ptr<float>(), M, K, shift);
   at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* nibbles = w.data_ptr<uint8_t>();
-  const float* factors = groups->data_ptr<float>();
+  const Int4Weight weight{w.data_ptr<uint8_t>(), groups->data_ptr<float>(), K, shift};
   float* yp = y.data_ptr<float>();
   const int64_t pairs = N / 2;
   at::parallel_for(0, pairs + N % 2, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      if (t < pairs) rows_int4<2>(nibbles, factors, a, M, K, N, shift, 2 * t, yp);
-      else rows_int4<1>(nibbles, factors, a, M, K, N, shift, N - 1, yp);
+      if (t < pairs) rows_int4<2>(weight, a, M, N, 2 * t, yp);
+      else rows_int4<1>(weight, a, M, N, N - 1, yp);
     }
   });
   return y;

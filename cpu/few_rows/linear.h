@@ -3,7 +3,7 @@
 
 namespace {
 
-// x [M, K] @ w.T; w [N, K] (bf16, fp32, int8 times factors), uint8 [N, K / 2] (int4 codes, see tile_int4), or
+// x [M, K] @ w.T; w [N, K] (bf16, fp32, int8 times factors), uint8 [N, K / 2] (int4 codes, see Int4Weight), or
 // with a table, uint8 [N, K * 3 / 4] (MX 6-bit codes, factors their E8M0 scales).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors,
                   const std::optional<at::Tensor>& table) {

@@ -54,8 +54,8 @@ def build_parser():
     p.add_argument("--num_samples", type=int, default=1, help="samples run one after another")
     p.add_argument("--batch_size", type=int, default=1, help="the prompt is repeated in each batch row")
     p.add_argument("--seed", type=int, default=1234, help="sampling and synthetic prompts")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode and verify steps (with the CPU "
-                   "backend a Llama-family model's steps are one few_rows.cpp call and need none)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode and verify steps (on CUDA, or "
+                   "with --backend torch; the CPU backend's steps run as they are: see its report)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")

@@ -63,7 +63,8 @@ def build_parser():
                    "model where they prove to compute what model.py computes; torch: model.py's PyTorch alone")
     p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming (with "
                    "the load's time and phases)")
-    p.add_argument("--verbose", action="store_true", help="say what loading took, phase by phase")
+    p.add_argument("--verbose", action="store_true", help="say what loading took, phase by phase, and what the "
+                   "backend serves")
     p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
     p.add_argument("--draft", choices=["model", "ngram"], default=None,
                    help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
@@ -168,6 +169,9 @@ def run(opts):
         say_phases(f"loaded {ckpt_dir}", load_s, load_phases)
         if draft_phases:
             say_phases(f"loaded the draft {opts.draft_checkpoint}", draft_load_s, draft_phases)
+        served = report(model)
+        print(f"backend {served.name}: {served.serves}" + (f" ({served.fallback})" if served.fallback else ""),
+              file=sys.stderr)
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
     presize_caches(model, drafter, len(prompts), len(prompt), opts.max_new_tokens, opts.speculate_k)

@@ -146,6 +146,16 @@ def test_cli_json_lines_and_seed(tiny):
     assert len({tuple(r["tokens"]) for r in lines}) > 1  # sampling at temperature 1 does vary across samples
 
 
+def test_verbose_says_what_the_backend_serves(tiny):
+    """--verbose prints the backend's report: the CPU backend's kernels, or model.py alone with --backend torch."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    common = ["--checkpoint_path", str(ckpt), "--prompt", "hello", "--max_new_tokens", "2", "--verbose", "--dtype", "fp32"]
+    lines = {backend: [line for line in cli(*common, "--backend", backend).stderr.splitlines()
+                       if line.startswith("backend ")] for backend in ("auto", "torch")}
+    assert lines["auto"] == ["backend cpu: few_rows.cpp: 15 products and attention, each step one call"], lines
+    assert lines["torch"] == ["backend torch: nothing (model.py's PyTorch)"], lines
+
+
 def assert_one_line_error(result, *fragments):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr

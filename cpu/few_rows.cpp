@@ -7,16 +7,16 @@
 //
 //   lanes.h      16 floats as native vectors, conversions, the horizontal sum, exp, bf16 rounding
 //   tiles.h      the product skeleton: passes of input rows over tiles of weight rows, on every core
-//   dense.h      fp32, bf16 (in pairs) and int8 weights       int4.h   int4 weights, 8-bit activations
+//   dense.h      fp32, bf16 and int8 weights (in pairs)        int4.h   int4 weights, 8-bit activations
 //   fp6.h        MX 6-bit codes as packed                      linear.h every format behind one call
 //   attention.h  a step's rows over the KV cache               step.h   a Llama-family step in one call
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
 // number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
-// once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order
-// (bf16: a pair of elements a lane at a time, see Bf16Pairs), then in a fixed tree (sum_lanes). GCC/Clang vector
-// extensions, compiled with -march=native; the conversions, the bf16 pairs and the int4 integer dot products use
-// AVX-512 (BF16, VNNI) or AVX2 intrinsics where present, plain code elsewhere with the same lanes, sums and trees
+// once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order (bf16,
+// and int8 against bf16 inputs: a pair of elements a lane at a time, see Pairs), then in a fixed tree (sum_lanes).
+// GCC/Clang vector extensions, compiled with -march=native; the conversions, the pairs and the int4 integer dot
+// products use AVX-512 (BF16, VNNI) or AVX2 intrinsics where present, plain code elsewhere with the same lanes, sums and trees
 // (built with -DFEW_ROWS_PORTABLE for this CPU, the plain code is the reference the tests compare bit for bit).
 // What the design choices measured: docs/performance.md, "few_rows.cpp's design".
 #include <ATen/Parallel.h>
@@ -58,7 +58,7 @@ TORCH_LIBRARY(few_rows, m) {
 }
 
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
-  m.impl("product", &linear);
+  m.impl("product", &product_op);
   m.impl("attention", &attention);
   m.impl("llama_step", &llama_step);
 }

@@ -176,8 +176,10 @@ def step_rows(x) -> bool:
 
 def product(x, weight, factors=None, table=None):
     """x [..., K] @ (weight [N, K] x factors).T in float32; factors: [N] or [N, K / block]. With a table
-    (packed MX 6-bit codes): weight holds the codes of the table's values, factors their E8M0 scales."""
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    (packed MX 6-bit codes): weight holds the codes of the table's values, factors their E8M0 scales. bf16 x stays
+    bf16: int8 codes then multiply it in pairs, as bf16 weights do."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
     return torch.ops.few_rows.product(rows, weight, factors, table).view(*x.shape[:-1], weight.shape[0])
 
 

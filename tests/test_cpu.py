@@ -176,6 +176,13 @@ def few_rows_cases():
                            same),
         "int8 x block": (lambda x: product(x, codes, per_block),
                          codes * per_block.repeat_interleave(32, 1), same),
+        # bf16 inputs (a bf16 model's): int8 codes as bf16 values in pairs, as bf16 weights
+        "int8 x channel, bf16 inputs": (lambda x: product(x.bfloat16(), codes, per_channel),
+                                        codes * per_channel[:, None], lambda x: x.bfloat16().float()),
+        "int8, bf16 inputs": (lambda x: product(x.bfloat16(), codes), codes.float(), lambda x: x.bfloat16().float()),
+        "int8 x channel, bf16 inputs, K % 32 = 16": (
+            lambda x: product(x[:, :-16].bfloat16(), codes[:, :-16].contiguous(), per_channel),
+            codes[:, :-16] * per_channel[:, None], lambda x: x[:, :-16].bfloat16().float()),
         "int4 x group": (lambda x: product(x, nibbles, group_factors), int4 * scale + offset,
                          quantize.round_activations),
         "int4 x group of 32, K % 64 = 32": (

@@ -1,4 +1,4 @@
-// Products with fp32, bf16 and int8 weights (DenseWeight, Bf16Pairs).
+// Products with fp32, bf16 and int8 weights (DenseWeight, Pairs).
 #pragma once
 
 namespace {
@@ -26,22 +26,31 @@ struct DenseWeight {
   Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
 };
 
-// bf16 weights (without block factors) against the activations rounded to bf16, which a bf16 model's already
-// are, multiplied in pairs: lane i of 16 adds the exact products of elements 2i + 1, then 2i, of each 32 along
-// k, each with one rounding (a fused multiply-add). That is AVX512_BF16's vdpbf16ps, one instruction per 32
-// weights and input row, where converting the weights and two FMAs took three (Zen 4 runs a 512-bit FMA as two
-// halves): see tile(Bf16Pairs). Other CPUs get the same sums from the halves of each 32-bit pair, the high bf16
-// being the word with its low half cleared and the low one the word shifted up 16. (The instruction also flushes
-// denormal operands and results to zero; the two agree unless a weight, an input or a partial sum is below
-// 1.2e-38 in magnitude.)
-template <Factors F>  // None or Rows
-struct Bf16Pairs {
-  const uint32_t* w;  // [N, K / 2] pairs
+// bf16 weights, or int8 codes where the activations are bf16 values (a bf16 model's), without block factors, times
+// the activations rounded to bf16, in pairs: lane i of 16 adds the exact products of elements 2i + 1, then 2i, of
+// each 32 along k, each with one rounding (a fused multiply-add). That is AVX512_BF16's vdpbf16ps, one instruction
+// per 32 weights and input row, where converting the weights and two FMAs took three (Zen 4 runs a 512-bit FMA as
+// two halves): see tile(Pairs). int8 codes are bf16 values exactly, converted in registers once for all the rows
+// of a pass, so a verify's rows cost what bf16's do. Other CPUs get the same sums from the two halves of each pair
+// as floats. (The instruction also flushes denormal operands and results to zero; the two agree unless a weight,
+// an input or a partial sum is below 1.2e-38 in magnitude.)
+template <class T, Factors F>  // T: uint16_t (bf16) or int8_t; F: None or Rows
+struct Pairs {
+  const T* w;  // [N, K]
   const float* factors;
   float finish(int64_t n, float sum) const { return F == Rows ? sum * factors[n] : sum; }
 };
 
-// The input rows [M, K] as tile(Bf16Pairs) reads them: bf16 in order for vdpbf16ps; elsewhere floats, each 32
+// int8 codes take bf16 inputs in pairs where the CPU has vdpbf16ps; elsewhere emulating the pairs cost more than
+// converting the codes to float (an AVX2 build on Zen 4: 43 against 28-37 ms for the 1.5B's products at one row).
+// The CPU decides, not the build's intrinsics, so the portable build computes what the native one does.
+#if defined(__AVX512BF16__)
+constexpr bool kInt8Pairs = true;
+#else
+constexpr bool kInt8Pairs = false;
+#endif
+
+// The input rows [M, K] as tile(Pairs) reads them: bf16 in order for vdpbf16ps; elsewhere floats, each 32
 // along k stored as its 16 odd elements, then its 16 even ones (lane i: elements 2i + 1 and 2i).
 // In a tensor, for its 64-byte alignment (a 64-byte load of x must not straddle two cache lines).
 #if FR_AVX512BF16
@@ -67,26 +76,53 @@ at::Tensor pair_inputs(const float* x, int64_t M, int64_t K) {
   return buffer;
 }
 
-#if !FR_AVX512BF16
-// The 16 high (odd) or low (even) bf16 of 16 pairs, as floats.
-inline f32x16 pair_halves(const uint32_t* p, bool high) {
-  f32x16 v;
+#if FR_AVX512BF16
+// 32 weights from p as bf16 in order, the operand of vdpbf16ps.
+inline __m512bh bf16_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bf16_pairs(const int8_t* p) {
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + L))));
+  return _mm512_cvtne2ps_pbh(high, low);
+}
+#else
+// The 16 high (odd) and low (even) elements of 32 bf16 weights from p, as floats.
+inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
 #if FR_AVX512F
   const __m512i words = _mm512_loadu_si512(p);
-  v.part[0] = (native)(high ? _mm512_and_si512(words, _mm512_set1_epi32(int(0xffff0000))) : _mm512_slli_epi32(words, 16));
+  high.part[0] = (native)_mm512_and_si512(words, _mm512_set1_epi32(int(0xffff0000)));
+  low.part[0] = (native)_mm512_slli_epi32(words, 16);
 #elif FR_AVX2
   for (int h = 0; h < 2; h++) {
-    const __m256i words = _mm256_loadu_si256((const __m256i*)(p + 8 * h));
-    v.part[h] = (native)(high ? _mm256_and_si256(words, _mm256_set1_epi32(int(0xffff0000))) : _mm256_slli_epi32(words, 16));
+    const __m256i words = _mm256_loadu_si256((const __m256i*)(p + 16 * h));
+    high.part[h] = (native)_mm256_and_si256(words, _mm256_set1_epi32(int(0xffff0000)));
+    low.part[h] = (native)_mm256_slli_epi32(words, 16);
   }
 #else
   for (int j = 0; j < L; j++) {
-    uint32_t word;
-    std::memcpy(&word, p + j, 4);
-    v.part[j / W][j % W] = bf16_value(high ? word >> 16 : word & 0xffff);
+    high.part[j / W][j % W] = bf16_value(p[2 * j + 1]);
+    low.part[j / W][j % W] = bf16_value(p[2 * j]);
   }
 #endif
-  return v;
+}
+
+// The same for 32 int8 codes: each pair a sign-extended 16-bit word, its high byte an arithmetic shift away.
+inline void pair_halves(const int8_t* p, f32x16& high, f32x16& low) {
+#if FR_AVX512F
+  const __m512i words = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  high.part[0] = (native)_mm512_cvtepi32_ps(_mm512_srai_epi32(words, 8));
+  low.part[0] = (native)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(words, 24), 24));
+#elif FR_AVX2
+  for (int h = 0; h < 2; h++) {
+    const __m256i words = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+    high.part[h] = (native)_mm256_cvtepi32_ps(_mm256_srai_epi32(words, 8));
+    low.part[h] = (native)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24), 24));
+  }
+#else
+  for (int j = 0; j < L; j++) {
+    high.part[j / W][j % W] = p[2 * j + 1];
+    low.part[j / W][j % W] = p[2 * j];
+  }
+#endif
 }
 #endif
 
@@ -127,27 +163,28 @@ struct RowsPerPass<DenseWeight<T, F>> {
   static constexpr int value = W == 16 ? 7 : 3;  // AVX2 holds 16 lanes in two of its 16 registers; 8 rows were slower
 };
 
-// The same for bf16 pairs (Bf16Pairs), x from pair_inputs: 32 weights a step, one vdpbf16ps per input row where
-// the CPU has it. At 2 rows and more a second prefetch, into L2 and 16 KB ahead (AVX512_BF16 only, where it was
-// measured): the stream otherwise waited on memory and on the multiply-adds in turn.
-template <int R, Factors F>
-__attribute__((noinline)) void tile(const Bf16Pairs<F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
+// The same in pairs (Pairs), x from pair_inputs: 32 weights a step, one vdpbf16ps per input row where the CPU has
+// it. At 2 rows and more a second prefetch, into L2 and 16 KB ahead (AVX512_BF16 only, where it was measured): the
+// stream otherwise waited on memory and on the multiply-adds in turn.
+template <int R, class T, Factors F>
+__attribute__((noinline)) void tile(const Pairs<T, F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
                                     int64_t n1, float* y) {
   for (int64_t n = n0; n < n1; n++) {
     f32x16 acc[R];
     for (int r = 0; r < R; r++)
       for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
-    const uint32_t* pairs = weight.w + n * (K / 2);
+    const T* row = weight.w + n * K;
     for (int64_t k = 0; k < K; k += 2 * L) {
-      const uint32_t* p = pairs + k / 2;
+      const T* p = row + k;
       __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES);
 #if FR_AVX512BF16
       if (R >= 2) __builtin_prefetch(reinterpret_cast<const char*>(p) + 16384, 0, 2);  // to L2: see above
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(p);
+      const __m512bh w = bf16_pairs(p);
       for (int r = 0; r < R; r++)
         acc[r].part[0] = (native)_mm512_dpbf16_ps((__m512)acc[r].part[0], w, (__m512bh)_mm512_loadu_si512(x + r * K + k));
 #else
-      const f32x16 high = pair_halves(p, true), low = pair_halves(p, false);
+      f32x16 high, low;
+      pair_halves(p, high, low);
       for (int r = 0; r < R; r++) {
         acc[r] += load(x + r * K + k) * high;
         acc[r] += load(x + r * K + k + L) * low;
@@ -172,17 +209,19 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<a
                                         block_shift(K, per_row, "factors")}, xp, M, K, N);
 }
 
-// bf16 weights: in pairs (Bf16Pairs) when no block factor scales them and K is a multiple of 32.
-at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
+// bf16 weights, or int8 codes against bf16 inputs: in pairs (Pairs) when no block factor scales them and K is a
+// multiple of 32.
+template <class T>
+at::Tensor pairs(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<uint16_t>(x, w, factors);
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.data_ptr());
+  const T* codes = reinterpret_cast<const T*>(w.data_ptr());
+  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<T>(x, w, factors);
   const at::Tensor inputs = pair_inputs(x.data_ptr<float>(), M, K);
   const PairInput* xp = reinterpret_cast<const PairInput*>(inputs.data_ptr());
-  if (!factors) return product(Bf16Pairs<None>{pairs, nullptr}, xp, M, K, N);
+  if (!factors) return product(Pairs<T, None>{codes, nullptr}, xp, M, K, N);
   TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
               "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
-  return product(Bf16Pairs<Rows>{pairs, factors->data_ptr<float>()}, xp, M, K, N);
+  return product(Pairs<T, Rows>{codes, factors->data_ptr<float>()}, xp, M, K, N);
 }
 
 }  // namespace

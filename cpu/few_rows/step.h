@@ -118,7 +118,7 @@ struct StepOperands {
 // output rounded to T as the Linear modules round theirs.
 template <class T>
 at::Tensor step_product(const at::Tensor& x, const StepOperands& s, int64_t i, int64_t outputs) {
-  at::Tensor y = linear(x, s.weights[i], s.factors.get(i), s.tables.get(i));
+  at::Tensor y = linear(x, s.weights[i], s.factors.get(i), s.tables.get(i), std::is_same_v<T, c10::BFloat16>);
   TORCH_CHECK(y.size(1) == outputs, "few_rows: llama_step's product ", i, " has ", y.size(1), " outputs, not ",
               outputs);
   float* yp = y.data_ptr<float>();

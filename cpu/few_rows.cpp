@@ -55,6 +55,7 @@ TORCH_LIBRARY(few_rows, m) {
         "Tensor[] weights, Tensor?[] factors, Tensor?[] tables, Tensor?[] biases, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps) -> Tensor");
   m.def("packed_fp6_is_fast() -> bool", [] { return kFastFp6; });
+  m.def("int8_in_pairs() -> bool", [] { return kInt8Pairs; });
 }
 
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {

@@ -360,7 +360,8 @@ def test_kernel_builds_are_keyed_by_their_source():
                     reason="needs an x86 CPU with AVX2")
 def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, its own tile shapes) gives the same bits
-    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too.
+    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too;
+    except int8 codes against bf16 inputs where this CPU multiplies them in pairs (vdpbf16ps), which AVX2 does not.
     Built in an empty cache, it says so in one line with the time it took; loaded again, it says nothing."""
     assert kernels.load()
     out = tmp_path / "avx2.pt"
@@ -374,8 +375,10 @@ def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
                            env=env, check=True)
     assert again.stderr == ""
     avx2, native = torch.load(out), few_rows_outputs()
+    in_pairs = torch.ops.few_rows.int8_in_pairs()
     for case, y in native.items():
-        assert torch.equal(avx2[case], y), case
+        if not (in_pairs and "int8" in case[0] and "bf16 inputs" in case[0]):
+            assert torch.equal(avx2[case], y), case
 
 
 def step_outputs():

@@ -42,8 +42,8 @@ struct Pairs {
 };
 
 // int8 codes take bf16 inputs in pairs where the CPU has vdpbf16ps; elsewhere emulating the pairs cost more than
-// converting the codes to float (an AVX2 build on Zen 4: 43 against 28-37 ms for the 1.5B's products at one row).
-// The CPU decides, not the build's intrinsics, so the portable build computes what the native one does.
+// converting the codes to float (docs/performance.md). The CPU decides, not the build's intrinsics, so the portable
+// build computes what the native one does; an AVX2 build on the same CPU does not (its int8 sums differ).
 #if defined(__AVX512BF16__)
 constexpr bool kInt8Pairs = true;
 #else
@@ -105,24 +105,13 @@ inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
 #endif
 }
 
-// The same for 32 int8 codes: each pair a sign-extended 16-bit word, its high byte an arithmetic shift away.
+// The same for 32 int8 codes, in the portable build only: elsewhere without vdpbf16ps int8 takes no pairs
+// (kInt8Pairs).
 inline void pair_halves(const int8_t* p, f32x16& high, f32x16& low) {
-#if FR_AVX512F
-  const __m512i words = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)p));
-  high.part[0] = (native)_mm512_cvtepi32_ps(_mm512_srai_epi32(words, 8));
-  low.part[0] = (native)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(words, 24), 24));
-#elif FR_AVX2
-  for (int h = 0; h < 2; h++) {
-    const __m256i words = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
-    high.part[h] = (native)_mm256_cvtepi32_ps(_mm256_srai_epi32(words, 8));
-    low.part[h] = (native)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24), 24));
-  }
-#else
   for (int j = 0; j < L; j++) {
     high.part[j / W][j % W] = p[2 * j + 1];
     low.part[j / W][j % W] = p[2 * j];
   }
-#endif
 }
 #endif
 

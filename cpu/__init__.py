@@ -314,8 +314,8 @@ def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, 
         else:
             off, bound = largest(around, one_call_logits), ONE_CALL_FP32
         if off > bound:
-            # Seen on Qwen2.5-Coder mxfp4 (bf16): 0.006-0.018, from layer 21 of 24 on (not root-caused); the kernels
-            # around model.py still serve.
+            # Where the step's copy of eager PyTorch's roundings misses (RMSNorm's sum did, without PyTorch's cascade:
+            # the Qwen pair's mxfp4 and mxfp6 files, 0.005-0.018), the kernels around model.py still serve.
             del transformer.forward
             one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"
     off = rms(expected, around)

@@ -56,11 +56,13 @@ TORCH_LIBRARY(few_rows, m) {
         "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps) -> Tensor");
   m.def("packed_fp6_is_fast() -> bool", [] { return kFastFp6; });
   m.def("int8_in_pairs() -> bool", [] { return kInt8Pairs; });
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("product", &product_op);
   m.impl("attention", &attention);
   m.impl("llama_step", &llama_step);
+  m.impl("rms_norm", &rms_norm);
 }
 

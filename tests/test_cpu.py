@@ -229,6 +229,24 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
             assert torch.equal(compute(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_step_s_rms_norm_is_model_py_s_bit_for_bit(dtype):
+    """The one-call step's RMSNorm sums the squares in the order of PyTorch's own CPU sum (8-lane vectors, 4 sums, the
+    cascade over chunks of 16 groups and more): its outputs are model.RMSNorm's bit for bit, at widths below and above
+    the cascade's and with leftover vectors and elements (without the cascade a third of the Qwen 1.5B's rows got
+    another mean)."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    for dim in (64, 200, 576, 896, 1000, 1536, 4096, 8960):
+        norm = model.RMSNorm(dim, 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1, 0.3)
+            x = (torch.randn(300, dim) * torch.rand(300, 1) * 20).to(dtype)
+            x[0, :5] = 3e3  # a few massive activations, as Qwen's
+            expected = norm(x)
+        assert torch.equal(torch.ops.few_rows.rms_norm(x, norm.weight.detach(), 1e-6), expected), dim
+
+
 def test_few_rows_packed_fp6_nan_scale_makes_its_outputs_nan():
     """An E8M0 scale of 0xFF (NaN) in one block of a weight row makes that row's outputs NaN, and no other."""
     import mx

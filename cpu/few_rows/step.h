@@ -50,26 +50,46 @@ void silu_times(const float* gate, const float* up, int64_t n, float* out) {
   for (; i < n; i++) out[i] = rounded<T>(rounded<T>(gate[i] / (1.f + std::exp(-gate[i]))) * up[i]);
 }
 
-// The sum of x[i]^2 in the order of PyTorch's CPU sum over a row (four 8-lane sums, 32 elements a step, added in
-// turn, then their lanes in order; the remaining 8-element vectors into the sum, then the elements): RMSNorm's mean
-// then agrees with eager PyTorch's (in 295 of 300 random 576-element rows; a sequential sum in 1), and so do its
-// bf16 roundings.
-__attribute__((optimize("fp-contract=off"))) inline float sum_of_squares(const float* x, int64_t n) {
-  f32x8 acc[4] = {};
+// x[l]^2 into sum[l] for l < V, each square rounded by itself, as PyTorch's pow(2) rounds it.
+template <int V>
+__attribute__((optimize("fp-contract=off"))) void add_squares(float* sum, const float* x) {
+  for (int l = 0; l < V; l++) sum[l] += x[l] * x[l];
+}
+
+// The sum of x[i]^2 in the order of PyTorch's CPU sum over a contiguous row (SumKernel.cpp's vectorized_inner_sum,
+// which runs 8-lane vectors here even where PyTorch's other kernels run AVX-512's 16): the row's vectors taken 4 at a
+// time into 4 vector sums, which a cascade adds up in chunks of 2^p groups (p = max(4, ceil(log2 groups) / 4)), the
+// vectors left over into the first sum, the 4 sums in turn, then the elements left over and the lanes in order.
+// RMSNorm's mean then is eager PyTorch's bit for bit, and so are its bf16 roundings (without the cascade, a third of
+// the Qwen 1.5B's rows got another mean, and one of them 11 other bf16 outputs).
+inline float sum_of_squares(const float* x, int64_t n) {
+  constexpr int V = 8;
+  typedef float lanes[V];
+  const int64_t vectors = n / V, groups = vectors / 4;
+  const int64_t ceil_log2 = groups <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(groups - 1));
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / 4), step = int64_t(1) << power, mask = step - 1;
+  lanes acc[4][4] = {};  // [level][sum]
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int a = 0; a < 4; a++) {
-      const f32x8 v = load8(x + i + 8 * a);
-      acc[a] += v * v;
+  while (i + step <= groups) {
+    for (int64_t j = 0; j < step; j++, i++)
+      for (int k = 0; k < 4; k++) add_squares<V>(acc[0][k], x + (4 * i + k) * V);
+    for (int level = 1; level < 4; level++) {
+      for (int k = 0; k < 4; k++)
+        for (int l = 0; l < V; l++) acc[level][k][l] += acc[level - 1][k][l], acc[level - 1][k][l] = 0.f;
+      if (i & (mask << (level * power))) break;
     }
-  f32x8 sum = ((acc[0] + acc[1]) + acc[2]) + acc[3];
-  for (; i + 8 <= n; i += 8) {
-    const f32x8 v = load8(x + i);
-    sum += v * v;
   }
+  for (; i < groups; i++)
+    for (int k = 0; k < 4; k++) add_squares<V>(acc[0][k], x + (4 * i + k) * V);
+  for (int level = 1; level < 4; level++)
+    for (int k = 0; k < 4; k++)
+      for (int l = 0; l < V; l++) acc[0][k][l] += acc[level][k][l];
+  for (int64_t v = 4 * groups; v < vectors; v++) add_squares<V>(acc[0][0], x + v * V);
+  for (int k = 1; k < 4; k++)
+    for (int l = 0; l < V; l++) acc[0][0][l] += acc[0][k][l];
   float total = 0.f;
-  for (int j = 0; j < 8; j++) total += sum[j];
-  for (; i < n; i++) total += x[i] * x[i];
+  for (int64_t e = vectors * V; e < n; e++) add_squares<1>(&total, x + e);
+  for (int l = 0; l < V; l++) total += acc[0][0][l];
   return total;
 }
 
@@ -84,6 +104,20 @@ void rms_norm_rows(const float* x, const at::Tensor& weight, double eps, int64_t
       store8(out + r * dim + i, rounded8<T>(load8(w + i) * rounded8<T>(load8(xr + i) * scale)));
     for (; i < dim; i++) out[r * dim + i] = rounded<T>(float(w[i]) * rounded<T>(xr[i] * scale));
   }
+}
+
+// rms_norm_rows as an op, for the tests: x [R, dim] and weight [dim] in the model's dtype, as model.RMSNorm takes them.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(),
+              "few_rows: rms_norm takes x [R, dim] and weight [dim] of its dtype");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(x.sizes(), xf.options());
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<c10::BFloat16>(xf.data_ptr<float>(), weight, eps, x.size(0), x.size(1), out.data_ptr<float>());
+  else
+    rms_norm_rows<float>(xf.data_ptr<float>(), weight, eps, x.size(0), x.size(1), out.data_ptr<float>());
+  return out.to(x.scalar_type());
 }
 
 // One head's q or k, rotated on its first 2 * half dims (pairs j, j + half; model.apply_rotary) and rounded to T:

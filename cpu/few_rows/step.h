@@ -109,8 +109,8 @@ void rms_norm_rows(const float* x, const at::Tensor& weight, double eps, int64_t
 // rms_norm_rows as an op, for the tests: x [R, dim] and weight [dim] in the model's dtype, as model.RMSNorm takes them.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type() &&
-                  weight.is_contiguous(),
-              "few_rows: rms_norm takes x [R, dim] and weight [dim] of its dtype");
+                  weight.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "few_rows: rms_norm takes bf16 or float32 x [R, dim] and weight [dim] of its dtype");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty(x.sizes(), xf.options());
   if (x.scalar_type() == at::kBFloat16)

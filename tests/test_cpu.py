@@ -258,6 +258,9 @@ def test_few_rows_packed_fp6_nan_scale_makes_its_outputs_nan():
     fmt = mx.FORMATS["fp6_e2m3"]
     y = product(torch.randn(2, 96), mx.pack(codes, 6), scales, code_table(fmt))
     assert y[:, 1].isnan().all() and not y[:, [0, 2]].isnan().any()
+    with pytest.raises(RuntimeError, match=r"x must be float32 or bf16 \[M, 96\]"):  # fp16 inputs: refused, named
+        torch.ops.few_rows.product(torch.randn(2, 96).half(), torch.randint(-9, 9, (3, 96), dtype=torch.int8),
+                                   torch.rand(3), None)
 
 
 @pytest.mark.parametrize("groups", ATTENTION_GROUPS)

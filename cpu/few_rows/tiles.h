@@ -51,7 +51,7 @@ at::Tensor product(const Weight& weight, const X* xp, int64_t M, int64_t K, int6
 
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
-              "few_rows: x must be contiguous float32 [M, ", K, "]");
+              "few_rows: x must be float32 or bf16 [M, ", K, "]");
   TORCH_CHECK(K % L == 0, "few_rows: in_features ", K, " is not a multiple of ", L);
 }
 

@@ -18,14 +18,12 @@ back as it was, says so in one line, and the model runs on model.py's PyTorch pa
 (weights, code, CPU, torch) (verdict_key), so a model pays for its canary once, not at every load. apply returns
 the backend's report (backend.Report), kept with the model: what callers read, never the modules it swapped in.
 """
-import ast
 import dataclasses
 import hashlib
 import inspect
 import json
 import os
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import quantize
 import tp
 from checkpoint import release_file_pages
 from cpu import kernels
+from cpu.fingerprints import fingerprint, source_hash
 from cpu.modules import PRODUCTS, Attention, HugePages, OneCallStep, Stack, move_to_huge_pages
 from cpu.threads import ThreadSizer
 
@@ -61,86 +60,48 @@ MAX_VERIFY_TOKENS = kernels.STEP_TOKENS  # a step of more tokens a row goes to P
 
 
 # The functions whose math the backend's kernels replace outright, so that no canary comparison of its own sees an
-# edit to them: fingerprints of the math it was written against (fingerprint). A fork that edits one gets model.py's
-# path; whoever changes one here updates the kernels, then the fingerprint (tests/test_cpu.py says which).
-REPLACED = {"model.Attention.attend": "b0029ae5f717be95", "quantize.round_activations": "c27d03af339c121b",
-            "quantize.Int8Linear.forward": "52cd5fa71bc0edd1", "quantize.Int8Linear.dequantize": "d6fa212dd068fdc1",
-            "quantize.Int4Linear.forward": "924b5dd385a08194", "quantize.Int4Linear.dequantize": "e0db8e2b1c29b507",
-            "quantize.MXLinear.forward": "3bcfe3f5b6e0d3b9", "quantize.MXLinear.dequantize": "92f438aed88ba37d"}
+# edit to them: (fingerprint of the math it was written against, hash of the shipped source; cpu/fingerprints.py). A
+# fork that edits one gets model.py's path; whoever changes one here updates the kernels, then both hashes
+# (tests/test_cpu.py prints them).
+REPLACED = {"model.Attention.attend": ("acd364298b21851a", "e7f628b8"),
+            "quantize.round_activations": ("23fc0b05f95d32cd", "89c04ddb"),
+            "quantize.Int8Linear.forward": ("53aee6a4dac6f874", "6599e64c"),
+            "quantize.Int8Linear.dequantize": ("8dfc74cf09a780b6", "c67759bf"),
+            "quantize.Int4Linear.forward": ("d90a8014854b3f47", "b3a53210"),
+            "quantize.Int4Linear.dequantize": ("f3baa7234fdeb728", "7ff5cb69"),
+            "quantize.MXLinear.forward": ("801f44b24116caa7", "37c8039d"),
+            "quantize.MXLinear.dequantize": ("ae3abfd669e2d04d", "474422a4")}
 
 
 # What the one-call step re-implements. The canary compares it with these bit for bit, but only at the positions and
 # shapes it runs (a sliding window that starts past them would not show): an edit to one turns the one-call step
 # off, and steps run model.py's forward around the backend's products and attention.
-ONE_CALL = {"model.Transformer.forward": "c4f7d32b7096af00", "model.Block.forward": "91fbe2a08a728c8c",
-            "model.Attention.forward": "c62153e79073bdd5", "model.FeedForward.forward": "699b3bd827d0e204",
-            "model.RMSNorm.forward": "4dd57a4742c347d1", "model.apply_rotary": "c1235aac70cdddb0",
-            "model.KVCache.update": "96e64a601ed02d80"}
+ONE_CALL = {"model.Transformer.forward": ("fec92bebabc5086a", "7e537d0f"),
+            "model.Block.forward": ("826e320b54bf4f80", "42db41e4"),
+            "model.Attention.forward": ("652dc9c1eae8a36d", "db13c5af"),
+            "model.FeedForward.forward": ("a0c9f9da8fdab390", "bbae3a33"),
+            "model.RMSNorm.forward": ("ae9aea0131f4195a", "e3e8c7ef"),
+            "model.apply_rotary": ("c8d0bc7a40e41ba0", "15fa3d16"),
+            "model.KVCache.update": ("271a7936a0e7dc48", "d2e9d00b")}
 
 
-def fingerprint(function) -> str:
-    """A hash of a function's body as math: its docstring, comments, layout and the names of its locals do not
-    count, nor does an alias (`D = hd`) or a tuple assignment split in two (normalized)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    return hashlib.sha256(ast.dump(normalized(tree)).encode()).hexdigest()[:16]
-
-
-def normalized(function: ast.FunctionDef) -> ast.Module:
-    """The function's body with `a, b = x, y` split into `a = x; b = y` (where no target is read on the right),
-    aliases of one local by another inlined, and locals renamed by order of appearance."""
-    body = function.body[1:] if ast.get_docstring(function) is not None else function.body
-    params = [a.arg for a in function.args.posonlyargs + function.args.args + function.args.kwonlyargs]
-    split = []
-    for node in body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
-                and isinstance(node.value, ast.Tuple) and len(node.targets[0].elts) == len(node.value.elts)
-                and all(isinstance(t, ast.Name) for t in node.targets[0].elts)
-                and not {t.id for t in node.targets[0].elts} & {n.id for n in ast.walk(node.value)
-                                                                   if isinstance(n, ast.Name)}):
-            split += [ast.Assign(targets=[t], value=v) for t, v in zip(node.targets[0].elts, node.value.elts)]
-        else:
-            split.append(node)
-    tree = ast.Module(body=split, type_ignores=[])
-    stores = {}
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-            stores[n.id] = stores.get(n.id, 0) + 1
-    aliases = {}
-    for node in list(tree.body):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Name) and stores[node.targets[0].id] == 1
-                and stores.get(node.value.id, 0) <= (0 if node.value.id in params else 1)
-                and (node.value.id in params or node.value.id in stores)):
-            aliases[node.targets[0].id] = node.value.id
-            tree.body.remove(node)
-    names = {}
-    for name in params:
-        names.setdefault(name, f"_{len(names)}")
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name):
-            n.id = aliases.get(n.id, n.id)
-            if n.id in stores:
-                names.setdefault(n.id, f"_{len(names)}")
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name) and n.id in names:
-            n.id = names[n.id]
-    return tree
-
-
-def edited(fingerprints) -> list[str]:
-    """The functions whose math (fingerprint) is not the math the backend implements."""
+def edited(fingerprints) -> list[tuple[str, str]]:
+    """The functions that are not the shipped math the backend implements: (name, what differs). The shipped source
+    is the shipped math on any interpreter; any other source is compared as math (its fingerprint)."""
     modules = {"model": model, "quantize": quantize}
     changed = []
-    for name, expected in fingerprints.items():
+    for name, (math, source) in fingerprints.items():
         target = modules[name.split(".")[0]]
         for part in name.split(".")[1:]:
             target = getattr(target, part)
         try:
-            same = fingerprint(target) == expected
-        except (OSError, TypeError):  # no source to read (defined at run time): cannot vouch for it
-            same = False
-        if not same:
-            changed.append(name)
+            if source_hash(target) == source or fingerprint(target) == math:
+                continue
+            where = f"{Path(inspect.getsourcefile(target)).name}:{target.__code__.co_firstlineno}"
+            changed.append((name, f"its syntax tree at {where} differs from the shipped one's in more than comments, "
+                                  "layout or the names of locals"))
+        except (OSError, TypeError):  # defined at run time: nothing to compare
+            changed.append((name, "its source cannot be read"))
     return changed
 
 
@@ -158,7 +119,7 @@ def unsupported(transformer) -> str | None:
         return f"config field '{extra[0]}' is not one it implements"
     changed = edited(REPLACED)
     if changed:
-        return f"{changed[0]} is not the math its kernels implement (edited?)"
+        return "{} is not the math its kernels implement: {}".format(*changed[0])
     for name, module in transformer.named_modules():
         if type(module) not in KEPT + tuple(PRODUCTS) + (model.Attention,):
             return f"module {name or 'model'} is a {type(module).__name__}, not a type it implements"
@@ -233,7 +194,7 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
     phases["kernels"] = time.perf_counter() - start
     changed = edited(ONE_CALL) if one_call_possible(transformer, set(products)) else []
     if changed:
-        warn(f"{changed[0]} is not the math its one-call step implements (edited?)", AROUND)
+        warn("{} is not the math its one-call step implements: {}".format(*changed[0]), AROUND)
     start = time.perf_counter()
     key = verdict_key(transformer)
     known = remembered(key)

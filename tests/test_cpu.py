@@ -2,6 +2,7 @@
 the one-call step against model.py's forward, where the backend serves and where it refuses."""
 import hashlib
 import inspect
+import json
 import linecache
 import os
 import platform
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +20,9 @@ import torch
 import backend
 import cpu
 import model
+import quantize
 from conftest import ROOT
-from cpu import kernels, modules
+from cpu import fingerprints, kernels, modules
 from cpu.kernels import product
 from cpu.modules import code_table
 from decoding import Step, Steps, decode_one_token, generate
@@ -500,9 +503,10 @@ def test_a_fork_that_changes_model_py_gets_model_py(smollm2, monkeypatch, capsys
     monkeypatch.setattr(model.Attention, "forward", qk_norm_forward)
     capsys.readouterr()
     forked = load_model(ckpt, "cpu", dtype)
-    assert warnings_in(capsys.readouterr().err) == (
-        "warning: CPU backend: model.Attention.forward is not the math its one-call step implements (edited?); steps "
-        "run model.py's forward around its kernels\n")
+    assert re.fullmatch(r"warning: CPU backend: model.Attention.forward is not the math its one-call step implements: "
+                        r"its syntax tree at test_cpu.py:\d+ differs from the shipped one's in more than comments, "
+                        r"layout or the names of locals; steps run model.py's forward around its kernels\n",
+                        warnings_in(capsys.readouterr().err))
     assert not backend.report(forked).one_call_step and type(forked.layers[0].attention) is modules.Attention
     ours, theirs = generate(forked, [prompt], 16, Steps())[0], generate(reference, [prompt], 16, Steps())[0]
     assert ours != unforked
@@ -537,7 +541,7 @@ def test_an_edit_that_keeps_the_math_keeps_the_one_call_step(monkeypatch, capsys
     renamed = renamed.replace("groups * T, D)", "groups * T, width)")
     assert renamed.count("width") == 2 and "hd" not in renamed and "D = self.args.head_dim\n" in renamed
     forward = defined(renamed)
-    assert cpu.fingerprint(forward) == cpu.ONE_CALL["model.Attention.forward"]
+    assert cpu.fingerprint(forward) == cpu.ONE_CALL["model.Attention.forward"][0]
     monkeypatch.setattr(model.Attention, "forward", forward)
     capsys.readouterr()
     m = served_model(torch.bfloat16)
@@ -590,8 +594,60 @@ def test_the_functions_its_kernels_replace_are_the_ones_it_implements():
     round_activations outright, so no canary comparison of its own would see an edit to them, and the one-call step
     re-implements model.py's forward, which the canary sees only at its few positions: it holds a fingerprint of
     each. Failing here means one was edited: change the kernels (or the one-call step) to match, then the
-    fingerprint in cpu.REPLACED (or cpu.ONE_CALL)."""
+    fingerprint and source hash in cpu.REPLACED (or cpu.ONE_CALL), as printed."""
+    for table in (cpu.REPLACED, cpu.ONE_CALL):
+        now = {name: (fingerprints.fingerprint(function_named(name)), fingerprints.source_hash(function_named(name)))
+               for name in table}
+        assert now == table, "\n".join(f"{name!r}: {value}," for name, value in now.items())
+
+
+def function_named(name: str):
+    target = {"model": model, "quantize": quantize}[name.split(".")[0]]
+    for part in name.split(".")[1:]:
+        target = getattr(target, part)
+    return target
+
+
+def interpreters() -> list[Path]:
+    """Every CPython 3.10+ this machine has besides the one running the tests: pyenv's versions."""
+    found = []
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for python in sorted(root.glob("*/bin/python3")):
+        version = re.fullmatch(r"3\.(\d+)\.\d+", python.parent.parent.name)
+        if version and int(version.group(1)) >= 10 and python.resolve() != Path(sys.executable).resolve():
+            found.append(python)
+    return found
+
+
+def test_every_cpython_computes_the_same_fingerprints():
+    """The gate's verdict does not depend on the interpreter: every other CPython found here (pyenv's 3.10, 3.12,
+    3.13 on these machines; no torch needed) computes each function's fingerprint from model.py and quantize.py
+    as the table has it (ast.dump's text differs between them: 3.13 leaves out empty fields)."""
+    found = interpreters()
+    if not found:
+        pytest.skip("no other CPython 3.10+ on this machine (looked in $PYENV_ROOT/versions)")
+    names = list(cpu.REPLACED) + list(cpu.ONE_CALL)
+    script = ("import importlib.util, json, sys\n"
+              "spec = importlib.util.spec_from_file_location('fingerprints', 'cpu/fingerprints.py')\n"
+              "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
+              "print(json.dumps({n: f.fingerprint_in_file(n.split('.')[0] + '.py', n.split('.', 1)[1]) "
+              "for n in json.loads(sys.argv[1])}))")
+    expected = {name: (cpu.REPLACED | cpu.ONE_CALL)[name][0] for name in names}
+    for python in found:
+        out = subprocess.run([python, "-I", "-c", script, json.dumps(names)], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+        assert json.loads(out) == expected, python
+
+
+def test_the_shipped_source_is_never_called_edited(monkeypatch, capsys):
+    """Should an interpreter ever parse the shipped source into another tree (a stale math fingerprint here), the
+    shipped source still serves: its text is the shipped one's, so nothing is called edited, no warning."""
+    monkeypatch.setitem(cpu.REPLACED, "model.Attention.attend", ("0" * 16, cpu.REPLACED["model.Attention.attend"][1]))
+    monkeypatch.setitem(cpu.ONE_CALL, "model.RMSNorm.forward", ("0" * 16, cpu.ONE_CALL["model.RMSNorm.forward"][1]))
     assert cpu.edited(cpu.REPLACED) == [] and cpu.edited(cpu.ONE_CALL) == []
+    capsys.readouterr()
+    m = served_model(torch.bfloat16)
+    assert backend.report(m).one_call_step and warnings_in(capsys.readouterr().err) == ""
 
 
 def test_an_edit_to_a_replaced_function_is_refused(monkeypatch, capsys):
@@ -606,9 +662,10 @@ def test_an_edit_to_a_replaced_function_is_refused(monkeypatch, capsys):
                                           intermediate_size=96)).eval()
     capsys.readouterr()
     assert cpu.apply(m).name == "torch"
-    assert warnings_in(capsys.readouterr().err) == (
-        "warning: CPU backend: model.Attention.attend is not the math its kernels implement (edited?); the model runs "
-        "on model.py's PyTorch path\n")
+    assert re.fullmatch(r"warning: CPU backend: model.Attention.attend is not the math its kernels implement: its "
+                        r"syntax tree at test_cpu.py:\d+ differs from the shipped one's in more than comments, layout "
+                        r"or the names of locals; the model runs on model.py's PyTorch path\n",
+                        warnings_in(capsys.readouterr().err))
     assert type(m.layers[0].attention) is model.Attention
 
 
@@ -625,9 +682,10 @@ def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, 
     capsys.readouterr()
     m = served_model(torch.bfloat16)
     assert not backend.report(m).one_call_step and type(m.layers[0].attention) is modules.Attention
-    assert warnings_in(capsys.readouterr().err) == (
-        "warning: CPU backend: model.Transformer.forward is not the math its one-call step implements (edited?); "
-        "steps run model.py's forward around its kernels\n")
+    assert re.fullmatch(r"warning: CPU backend: model.Transformer.forward is not the math its one-call step "
+                        r"implements: its syntax tree at <fork of model.py \w+>:1 differs from the shipped one's in "
+                        r"more than comments, layout or the names of locals; steps run model.py's forward around its "
+                        r"kernels\n", warnings_in(capsys.readouterr().err))
 
 
 def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsys):
@@ -636,7 +694,8 @@ def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsy
     the backend says so in one line and turns the one-call step off; the fork's forward runs around the kernels
     (which the canary checked against PyTorch), and that verdict is remembered with it."""
     monkeypatch.setattr(model.Attention, "forward", qk_norm_forward)
-    monkeypatch.setitem(cpu.ONE_CALL, "model.Attention.forward", cpu.fingerprint(qk_norm_forward))
+    monkeypatch.setitem(cpu.ONE_CALL, "model.Attention.forward",
+                        (cpu.fingerprint(qk_norm_forward), cpu.source_hash(qk_norm_forward)))
     capsys.readouterr()
     for _ in range(2):  # checked, then remembered
         torch.manual_seed(0)

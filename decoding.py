@@ -111,8 +111,12 @@ def keeps_thread_count(fn):
 @keeps_thread_count
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
-             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5, sync_every=None):
+             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5, sync_every=None, cached=0):
     """Generate for a batch of prompts (ragged lengths allowed). Returns (new tokens per row, stats).
+
+    cached: the first `cached` tokens of every prompt are in the model's KV cache (and a model drafter's) from the
+    previous call on the same rows, a chat's earlier turns: prefill feeds the rest (stats["prefilled"] says how many
+    positions from where).
 
     Rows are right-padded; each row runs at its own positions, so padding is never attended and is
     overwritten as the row decodes. A row stops at its first EOS (kept in its output) or at max_new_tokens; the
@@ -131,6 +135,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     B = len(prompts)
     if min(len(p) for p in prompts) == 0:
         raise InputError("empty prompt: give at least one token")
+    if not 0 <= cached < min(len(p) for p in prompts):
+        raise ValueError(f"cached={cached}: prefill needs at least the newest token of every prompt")
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lengths.max())
     k_max = adaptive.k_max if adaptive else speculate_k
@@ -145,11 +151,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     # Padding sits at the positions the row will decode into next, so it is overwritten before it is seen.
     input_pos = torch.arange(T, device=device).expand(B, T).contiguous()
     t0 = time.perf_counter()
-    token = steps.prefill(model, tokens, input_pos, (lengths - 1)[:, None], temperature, top_k, top_p)
+    token = steps.prefill(model, tokens[:, cached:], input_pos[:, cached:], (lengths - 1 - cached)[:, None],
+                          temperature, top_k, top_p)
     if drafter:
-        drafter.prefill(tokens, input_pos, cache_len)
+        drafter.prefill(tokens, input_pos, cache_len, cached)
     outputs = [[t] for t in token.tolist()]
-    stats = {"prefill_s": time.perf_counter() - t0}
+    stats = {"prefill_s": time.perf_counter() - t0, "prefilled": (cached, T)}
     done = [t in eos_ids or max_new_tokens == 1 for t in token.tolist()]
     if on_token:
         on_token(outputs[0][:])

@@ -24,6 +24,7 @@ from backend import report
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint
 from decoding import Steps, cache_length, generate, presize_caches, spare_positions
 from loading import BACKENDS, DTYPES, check_device, load_model, make_drafter, verify_limit
+from chat import Chat, ChatTemplate
 from model import ModelArgs
 from tokenizer import TextStream, Tokenizer
 
@@ -46,7 +47,10 @@ def speculate_k_arg(value: str):
 def build_parser():
     p = OneLineErrors(description="Generate text from a converted checkpoint.")
     p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
-    p.add_argument("--prompt", default="Hello, my name is", help="text, or an integer for a synthetic prompt")
+    p.add_argument("--prompt", help="text (default 'Hello, my name is'), or an integer for a synthetic prompt; with "
+                   "--chat the user's message (default: read turns from stdin, one a line)")
+    p.add_argument("--chat", action="store_true", help="chat: messages formatted by the checkpoint's own chat "
+                   "template, the reply ends at its end-of-turn token, later turns reuse the cache")
     p.add_argument("--max_new_tokens", type=int, default=128, help="generation also stops at EOS")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens")
@@ -95,6 +99,8 @@ def check_options(opts):
         raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
     if opts.nproc_per_node < 1:
         raise InputError(f"--nproc_per_node {opts.nproc_per_node}: must be at least 1")
+    if opts.chat and (opts.batch_size > 1 or opts.num_samples > 1):
+        raise InputError("--chat holds one conversation: drop --batch_size and --num_samples")
     if not 0 <= opts.seed < 2**64:
         raise InputError(f"--seed {opts.seed}: must be between 0 and 2**64 - 1")
     check_device(opts.device)
@@ -127,21 +133,35 @@ def check_draft(opts, tokenizer, target_args) -> ModelArgs | None:
 
 
 def check_request(opts):
-    """Every check that needs no model: flags, files, tokenizers, the prompt against the target's and the draft's
-    context. Returns (checkpoint directory, tokenizer, prompt)."""
+    """Every check that needs no model: flags, files, tokenizers, the chat template, the prompt against the target's
+    and the draft's context. Returns (checkpoint directory, tokenizer, prompt, chat, the context check): with --chat,
+    the prompt is the first turn's tokens (None when turns come from stdin) and chat a Chat."""
     check_options(opts)
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
     args = read_model_args(ckpt_dir / "config.json")
     tp.check_split(args, int(os.environ.get("WORLD_SIZE", opts.nproc_per_node)))  # the draft is replicated
     tokenizer = Tokenizer(ckpt_dir)
-    prompt = parse_prompt(opts.prompt, tokenizer, opts.seed)
-    if not prompt:
-        raise InputError(f"--prompt {opts.prompt!r}: no tokens; give text or a number of tokens >= 1")
     draft_args = check_draft(opts, tokenizer, args)
     spare = spare_positions(opts.draft_checkpoint or opts.draft == "ngram", opts.speculate_k)
-    for model_args in (args, draft_args) if draft_args else (args,):
-        cache_length(len(prompt), opts.max_new_tokens, model_args, spare)
-    return ckpt_dir, tokenizer, prompt
+
+    def check_context(tokens):
+        for model_args in (args, draft_args) if draft_args else (args,):
+            cache_length(len(tokens), opts.max_new_tokens, model_args, spare)
+
+    chat = None
+    if opts.chat:
+        chat = Chat(ChatTemplate(ckpt_dir), tokenizer)  # renders once: a template that fails to is one line here
+        if opts.prompt is None:
+            return ckpt_dir, tokenizer, None, chat, check_context
+        prompt, _ = chat.ask(opts.prompt)
+        if not prompt:
+            raise InputError(f"{chat.template.path}: the chat template rendered no tokens for this conversation")
+    else:
+        prompt = parse_prompt("Hello, my name is" if opts.prompt is None else opts.prompt, tokenizer, opts.seed)
+    if not prompt:
+        raise InputError(f"--prompt {opts.prompt!r}: no tokens; give text or a number of tokens >= 1")
+    check_context(prompt)
+    return ckpt_dir, tokenizer, prompt, chat, check_context
 
 
 def say_phases(name, seconds, phases):
@@ -149,7 +169,7 @@ def say_phases(name, seconds, phases):
 
 
 def run(opts):
-    ckpt_dir, tokenizer, prompt = check_request(opts)
+    ckpt_dir, tokenizer, prompt, chat, check_context = check_request(opts)
     torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     group, device = tp.init_from_env(opts.device)
     rank0 = tp.is_rank0()  # only rank 0 prints
@@ -158,7 +178,6 @@ def run(opts):
     model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group, backend=opts.backend,
                        phases=load_phases)
     load_s = time.perf_counter() - t
-    prompts = [prompt] * opts.batch_size
     steps = Steps(opts.compile, opts.compile_prefill, device)
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     t = time.perf_counter()
@@ -174,10 +193,11 @@ def run(opts):
               file=sys.stderr)
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
-    presize_caches(model, drafter, len(prompts), len(prompt), opts.max_new_tokens, opts.speculate_k)
+    warm_up = prompt or chat.tokenizer.encode("Hello", bos=False)
+    presize_caches(model, drafter, opts.batch_size, len(warm_up), opts.max_new_tokens, opts.speculate_k)
     if opts.compile or opts.compile_prefill:  # compile on a short warm-up so the timed runs are steady
         t = time.perf_counter()
-        generate(model, prompts, 12 if drafter else 3, steps, **sampling, **speculation)
+        generate(model, [warm_up] * opts.batch_size, 12 if drafter else 3, steps, **sampling, **speculation)
         compile_s = time.perf_counter() - t
     if group is not None:
         held = [None] * dist.get_world_size(group)
@@ -193,48 +213,92 @@ def run(opts):
     if draft_phases:
         load.update(draft_load_s=round(draft_load_s, 3),
                     draft_load_phases={k: round(v, 3) for k, v in draft_phases.items()})
-    step_bytes = report(model).step_bytes
+    metrics = dict(step_bytes=report(model).step_bytes, compile_s=compile_s, load=load)
+    run_one = dict(model=model, steps=steps, **sampling, **speculation)
+    if chat:
+        return run_chat(opts, chat, prompt, check_context, tokenizer, run_one, metrics, rank0)
+    prompts = [prompt] * opts.batch_size
     for sample_idx in range(opts.num_samples):
-        stream = TextStream(tokenizer) if opts.batch_size == 1 and not opts.json and rank0 else None
+        stream = TextStream(tokenizer, prompt) if opts.batch_size == 1 and not opts.json and rank0 else None
         if stream:
             print(tokenizer.decode(prompt), end="", flush=True)
         try:
-            rows, stats = generate(model, prompts, opts.max_new_tokens, steps, eos_ids=tokenizer.eos_ids,
-                                   on_token=stream, **sampling, **speculation)
+            rows, stats = generate(prompts=prompts, max_new_tokens=opts.max_new_tokens, eos_ids=tokenizer.eos_ids,
+                                   on_token=stream, **run_one)
         finally:  # Ctrl-C included: the terminal gets the rest of the line
             if stream:
                 stream.finish()
-        decode_s = stats["total_s"] - stats["prefill_s"]
-        longest = max(len(row) for row in rows)
-        tokens_per_s = longest / stats["total_s"]
-        decode_tokens_per_s = (longest - 1) / decode_s if longest > 1 else 0.0
-        # Bytes of target weights read per second: one full read per decode step or verify round.
-        bandwidth = step_bytes * stats["decode_steps"] / decode_s / 1e9 if decode_s > 0 else 0.0
-        spec = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
-                if k in ("accept_counts", "mean_accepted", "alpha", "draft_cost_ratio", "speculate_k")}
-        for b, row in enumerate(rows):
-            record = dict(sample=sample_idx, row=b, prompt_tokens=len(prompt), tokens=row,
-                          text=tokenizer.decode([t for t in row if t not in tokenizer.eos_ids]),
-                          tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
-                          prefill_s=round(stats["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
-                          compile_s=round(compile_s, 2), batch_size=opts.batch_size, threads=stats["threads"], **spec,
-                          **load)
-            if not rank0:
-                continue
-            if opts.json:
-                print(json.dumps(record), flush=True)
-            elif not stream:
-                print(f"--- sample {sample_idx} row {b}\n{tokenizer.decode(prompt)}{record['text']}")
-        if rank0 and not opts.json:
-            shared = stats["threads"] is not None and stats["threads"] < torch.get_num_threads()
-            print(f"[{longest} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
-                  f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {stats['prefill_s']:.3f} s"
-                  + (f"; on {stats['threads']} of {torch.get_num_threads()} threads: other processes keep the other "
-                     "cores busy" if shared else "") + "]", file=sys.stderr)
-            if spec:
-                print(f"[speculative: k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
-                      f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
-                      f"{spec['draft_cost_ratio']:.3f}]", file=sys.stderr)
+        say(opts, rows, stats, dict(sample=sample_idx), prompt, tokenizer, tokenizer.eos_ids, metrics, rank0,
+            shown=stream is not None, context=prompt)
+
+
+def user_turns(opts, rank0):
+    """The user's messages: --prompt, or one a line from stdin until its end (rank 0 reads, every rank gets it)."""
+    if opts.prompt is not None:
+        yield opts.prompt
+        return
+    while True:
+        if rank0 and sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = tp.from_rank0(sys.stdin.readline() if rank0 else None)
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def run_chat(opts, chat, prompt, check_context, tokenizer, run_one, metrics, rank0):
+    """Turns of one conversation: each prefills only what its cache lacks (stats["prefilled"]), streams the reply,
+    and stops at the template's end-of-turn token (or at any end-of-generation token of the checkpoint)."""
+    for turn, message in enumerate(user_turns(opts, rank0)):
+        tokens, cached = (prompt, 0) if turn == 0 and prompt else chat.ask(message)
+        check_context(tokens)
+        stream = TextStream(tokenizer, hidden=chat.stop_ids) if not opts.json and rank0 else None
+        try:
+            rows, stats = generate(prompts=[tokens], max_new_tokens=opts.max_new_tokens, eos_ids=chat.stop_ids,
+                                   on_token=stream, cached=cached, **run_one)
+        finally:
+            if stream:
+                stream.finish()
+        chat.answer(rows[0])
+        say(opts, rows, stats, dict(turn=turn), tokens, tokenizer, chat.stop_ids, metrics, rank0, shown=True)
+
+
+def say(opts, rows, stats, which, prompt, tokenizer, stop_ids, metrics, rank0, shown, context=()):
+    """A generation's records (--json: one JSON object a row; else the rows not streamed) and its stats line. A
+    row's text is what it adds after `context`."""
+    decode_s = stats["total_s"] - stats["prefill_s"]
+    longest = max(len(row) for row in rows)
+    tokens_per_s = longest / stats["total_s"]
+    decode_tokens_per_s = (longest - 1) / decode_s if longest > 1 else 0.0
+    # Bytes of target weights read per second: one full read per decode step or verify round.
+    bandwidth = metrics["step_bytes"] * stats["decode_steps"] / decode_s / 1e9 if decode_s > 0 else 0.0
+    spec = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
+            if k in ("accept_counts", "mean_accepted", "alpha", "draft_cost_ratio", "speculate_k")}
+    if not rank0:
+        return
+    for b, row in enumerate(rows):
+        record = dict(**which, row=b, prompt_tokens=len(prompt), prefilled_tokens=len(prompt) - stats["prefilled"][0],
+                      tokens=row, text=tokenizer.decode_after(context, [t for t in row if t not in stop_ids]),
+                      tokens_per_s=round(tokens_per_s, 2), decode_tokens_per_s=round(decode_tokens_per_s, 2),
+                      prefill_s=round(stats["prefill_s"], 4), bandwidth_gb_s=round(bandwidth, 2),
+                      compile_s=round(metrics["compile_s"], 2), batch_size=len(rows), threads=stats["threads"], **spec,
+                      **metrics["load"])
+        if opts.json:
+            print(json.dumps(record), flush=True)
+        elif not shown:
+            print(f"--- sample {which['sample']} row {b}\n{tokenizer.decode(prompt)}{record['text']}")
+    if not opts.json:
+        shared = stats["threads"] is not None and stats["threads"] < torch.get_num_threads()
+        print(f"[{longest} tokens/row x {len(rows)} rows; {tokens_per_s:.2f} tok/s per row "
+              f"({decode_tokens_per_s:.2f} decode), {bandwidth:.2f} GB/s, prefill {stats['prefill_s']:.3f} s"
+              + (f" ({len(prompt) - stats['prefilled'][0]} of {len(prompt)} tokens)" if "turn" in which else "")
+              + (f"; on {stats['threads']} of {torch.get_num_threads()} threads: other processes keep the other "
+                 "cores busy" if shared else "") + "]", file=sys.stderr)
+        if spec:
+            print(f"[speculative: k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
+                  f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
+                  f"{spec['draft_cost_ratio']:.3f}]", file=sys.stderr)
 
 
 def main(argv=None):

@@ -206,7 +206,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def setup_caches(self, batch_size: int, max_seq_len: int):
-        """Allocate the static KV cache once; a request that fits the current cache reuses it."""
+        """Allocate the static KV cache once; a request that fits the current cache reuses it, and a longer cache for
+        the same batch keeps what the shorter one held (a chat's earlier turns)."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"{max_seq_len} positions requested but the model's context (max_seq_len) is "
                              f"{self.args.max_seq_len}")
@@ -215,8 +216,11 @@ class Transformer(nn.Module):
         weight = self.layers[0].attention_norm.weight
         dtype, device = weight.dtype, weight.device
         for layer in self.layers:
-            attn = layer.attention
+            attn, old = layer.attention, layer.attention.kv_cache
             attn.kv_cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, self.args.head_dim, dtype, device)
+            if old is not None and batch_size == self.max_batch_size:
+                attn.kv_cache.k_cache[:, :, :self.max_seq_len] = old.k_cache
+                attn.kv_cache.v_cache[:, :, :self.max_seq_len] = old.v_cache
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
         cos, sin = rope_tables(self.args, max_seq_len, device)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -86,6 +86,7 @@ class ModelDrafter:
 
     def __init__(self, model, compile=False):
         self.model = model
+        self.cached_until = None
         self.step = self._step
         if compile and report(model).compile_steps:
             # a static graph for each of the two shapes, 1 and 2 tokens a row
@@ -99,9 +100,13 @@ class ModelDrafter:
         q = logits_to_probs(logits, temperature, top_k, top_p)
         return argmax(q / torch.empty_like(q).exponential_(1)), q
 
-    def prefill(self, tokens, input_pos, cache_len):
+    def prefill(self, tokens, input_pos, cache_len, cached=0):
+        """Cache the prompts [B, T] from position `cached` on (the target holds the first `cached` from an earlier
+        call), or from where this draft's own cache stops being valid, if that is earlier."""
+        if cached and self.cached_until is not None:  # the last round fed positions up to cached_until - 1 only
+            cached = min(cached, int(self.cached_until.min()))
         self.model.setup_caches(tokens.shape[0], cache_len)
-        self.model(tokens, input_pos, input_pos[:, -1:] * 0)  # only the KV cache matters here
+        self.model(tokens[:, cached:], input_pos[:, cached:], input_pos[:, -1:] * 0)  # only the KV cache matters
         self.cached_until = None  # each row's prompt is cached; the next round needs no catching up
 
     def propose(self, histories, pos, k, temperature, top_k, top_p):
@@ -126,7 +131,7 @@ class NgramDrafter:
     def __init__(self, max_ngram=3):
         self.max_ngram = max_ngram
 
-    def prefill(self, tokens, input_pos, cache_len):
+    def prefill(self, tokens, input_pos, cache_len, cached=0):
         pass
 
     def propose(self, histories, pos, k, temperature, top_k, top_p):

@@ -48,14 +48,23 @@ class Tokenizer:
         # expect BOS unless the config says otherwise.
         self.add_bos = config.get("add_bos_token", self._sp is not None) and self.bos_id is not None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids; bos=False: the text alone, without the BOS or other tokens the tokenizer adds (a chat template
+        writes its own)."""
         if self._sp is not None:
             ids = self._sp.EncodeAsIds(text)
         else:
-            ids = self._hf.encode(text, add_special_tokens=True).ids
-        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = self._hf.encode(text, add_special_tokens=bos).ids
+        if bos and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    @property
+    def special_ids(self) -> set[int]:
+        """Control tokens: never split, never produced from plain text."""
+        if self._sp is not None:
+            return {i for i in range(self.vocab_size) if self._sp.IsControl(i)}
+        return {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
 
     def same_vocabulary(self, other: "Tokenizer") -> bool:
         if (self._sp is None) != (other._sp is None) or self.vocab_size != other.vocab_size:
@@ -69,20 +78,32 @@ class Tokenizer:
             return self._sp.DecodeIds(list(ids))
         return self._hf.decode(list(ids), skip_special_tokens=False)
 
+    def decode_after(self, context: list[int], ids: list[int]) -> str:
+        """The text `ids` add after `context` (decoded alone, SentencePiece drops a first word's space)."""
+        if not context:
+            return self.decode(ids)
+        before = self.decode(context)
+        return self.decode(list(context) + list(ids))[len(before):]
+
 
 class TextStream:
-    """Prints a row's text as it grows, holding back an incomplete UTF-8 sequence."""
+    """Prints a row's text as it grows, holding back an incomplete UTF-8 sequence. The text is what the row adds to
+    `context` (the prompt's ids: a SentencePiece word's leading space shows after it), without the `hidden` ids."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+    def __init__(self, tokenizer, context=(), hidden=None):
+        self.tokenizer, self.context, self.ids, self.printed = tokenizer, list(context), [], 0
+        self.hidden = tokenizer.eos_ids if hidden is None else hidden
+
+    def text(self) -> str:
+        return self.tokenizer.decode_after(self.context, self.ids)
 
     def __call__(self, tokens):
-        self.ids += [t for t in tokens if t not in self.tokenizer.eos_ids]
-        text = self.tokenizer.decode(self.ids)
+        self.ids += [t for t in tokens if t not in self.hidden]
+        text = self.text()
         if not text.endswith("\ufffd"):
             print(text[self.printed:], end="", flush=True)
             self.printed = len(text)
 
     def finish(self):
         """Print what is held back, as --json's text has it (a partial character decodes as U+FFFD), and a newline."""
-        print(self.tokenizer.decode(self.ids)[self.printed:], flush=True)
+        print(self.text()[self.printed:], flush=True)

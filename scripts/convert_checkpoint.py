@@ -20,6 +20,7 @@ import shutil  # noqa: E402
 
 import torch  # noqa: E402
 
+from chat import token_text  # noqa: E402
 from checkpoint import (InputError, OneLineErrors, check_model_args, write_atomically,  # noqa: E402
                         write_safetensors)
 from model import ModelArgs  # noqa: E402
@@ -283,6 +284,25 @@ def hf_special_tokens(source: Path, config: dict) -> dict:
     return dict(bos_token_id=config.get("bos_token_id"), eos_token_id=eos, add_bos_token=add_bos)
 
 
+def hf_chat_template(source: Path) -> dict | None:
+    """What a chat needs from a Hugging Face directory: its chat template (chat_template.jinja, or
+    tokenizer_config.json's chat_template) and its BOS and EOS strings; None without a template."""
+    config_path = source / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise InputError(f"{config_path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{config_path}: not a JSON object")
+    template = config.get("chat_template")
+    if (source / "chat_template.jinja").is_file():
+        template = (source / "chat_template.jinja").read_text()
+    if not template:
+        return None
+    return dict(chat_template=template, bos_token=token_text(config.get("bos_token")),
+                eos_token=token_text(config.get("eos_token")))
+
+
 def convert_hf(source: Path):
     config_path = source / "config.json"
     if not config_path.is_file():
@@ -296,7 +316,7 @@ def convert_hf(source: Path):
     args = hf_model_args(config, config_path)
     weights = from_hf_state_dict(read_hf_weights(source), args)
     tokenizer_files = [source / n for n in ("tokenizer.json", "tokenizer.model") if (source / n).is_file()]
-    return args, weights, hf_special_tokens(source, config), tokenizer_files
+    return args, weights, hf_special_tokens(source, config), tokenizer_files, hf_chat_template(source)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -306,10 +326,24 @@ def gguf_value(reader, key, default=None):
     return default if field is None else field.contents()
 
 
-# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 (and Qwen2's tokenizer.json): contractions, letters with one leading
-# non-letter, single digits, punctuation runs with their newlines, newline runs, spaces.
-QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's BPE pre-tokenizers (tokenizer.ggml.pre), for the architectures converted here: the regexes it splits text
+# with, one after the other (each splits the pieces of the one before), and whether a piece that is a whole token
+# skips the merges (its ignore_merges). GPT-2's: contractions, letters, digits and other characters, each with one
+# leading space; whitespace runs. Llama 3's and Qwen2's: contractions in either case, letters with one leading
+# non-letter, digits in runs of at most three (Qwen2: one), punctuation runs with their newlines, newline runs, spaces.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = {
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"], False),
+    "gpt-2": ([GPT2_SPLIT], False),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3"), ([LLAMA3_SPLIT], True)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), ([QWEN2_SPLIT], False)),
+    **dict.fromkeys(("smollm", "starcoder"), ([r"\p{N}", GPT2_SPLIT], False)),
+}
+LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3")  # llama.cpp adds BOS to these unless the file says otherwise
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(1, 7)  # GGUF token types, as SentencePiece's
 # The tokens llama.cpp ends generation at besides the file's EOS (its end-of-generation list): Qwen2.5-Coder's
 # completions end with <|endoftext|> while its EOS is <|im_end|>.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
@@ -322,40 +356,60 @@ def gguf_end_of_generation(reader) -> list[int]:
     ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = gguf_value(reader, "tokenizer.ggml.tokens") or []
     types = gguf_value(reader, "tokenizer.ggml.token_type") or []
-    CONTROL, USER_DEFINED = 3, 4
     ids += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)
             and t in END_OF_GENERATION]
     return sorted({i for i in ids if i is not None})
 
 
 def gguf_tokenizer(reader, path: Path):
-    """Rebuild the byte-level BPE tokenizer llama.cpp embeds in the file as a `tokenizers` Tokenizer."""
+    """The tokenizer llama.cpp builds from the file's vocabulary, as a `tokenizers` Tokenizer: byte-level BPE
+    (tokenizer.ggml.model "gpt2") with the pre-tokenizer the file names, or SentencePiece ("llama")."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     kind = gguf_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise InputError(f"{path}: embedded tokenizer '{kind}' is not supported (only BPE 'gpt2'); convert "
-                         "the Hugging Face directory of this model instead")
-    tokens = gguf_value(reader, "tokenizer.ggml.tokens")
-    types = gguf_value(reader, "tokenizer.ggml.token_type")
-    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    pre = gguf_value(reader, "tokenizer.ggml.pre")
-    if pre == "smollm":  # llama.cpp's smollm pre-split: digits one by one
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre == "qwen2":  # llama.cpp's qwen2 split (one digit a piece), then bytes to BPE symbols
-        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
-        tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                     use_regex=False)])
-    elif pre in (None, "default", "gpt2", "llama-bpe"):
-        tok.pre_tokenizer = byte_level
+    tokens, types = gguf_value(reader, "tokenizer.ggml.tokens"), gguf_value(reader, "tokenizer.ggml.token_type")
+    if kind == "llama":
+        tok = sentencepiece_tokenizer(tokens, gguf_value(reader, "tokenizer.ggml.scores"), types,
+                                      gguf_value(reader, "tokenizer.ggml.unknown_token_id"),
+                                      bool(gguf_value(reader, "tokenizer.ggml.add_space_prefix", True)))
+    elif kind == "gpt2":
+        pre = gguf_value(reader, "tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZERS:
+            raise InputError(f"{path}: pre-tokenizer '{pre}' (tokenizer.ggml.pre) is not supported "
+                             f"({', '.join(PRE_TOKENIZERS)}); convert the Hugging Face directory of this model instead")
+        splits, ignore_merges = PRE_TOKENIZERS[pre]
+        merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                   ignore_merges=ignore_merges))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
     else:
-        raise InputError(f"{path}: pre-tokenizer '{pre}' is not supported (llama, smollm, qwen2); convert the Hugging "
-                         "Face directory of this model instead")
-    tok.decoder = decoders.ByteLevel()
-    CONTROL, USER_DEFINED = 3, 4
+        raise InputError(f"{path}: embedded tokenizer '{kind}' (tokenizer.ggml.model) is not supported (gpt2: "
+                         "byte-level BPE, llama: SentencePiece); convert the Hugging Face directory of this model "
+                         "instead")
+    # Never split and never made from plain text; llama.cpp finds them in a prompt (parse_special)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+                            for t, ty in zip(tokens, types) if ty in (UNKNOWN, CONTROL, USER_DEFINED)])
+    return tok
+
+
+def sentencepiece_tokenizer(tokens, scores, types, unknown_id, add_space_prefix):
+    """llama.cpp's SentencePiece tokenizer: a text between special tokens gets a leading space (add_space_prefix),
+    spaces become U+2581, then adjacent pieces merge while their concatenation is a token, highest score first;
+    a character that is no token becomes its bytes' <0xXX> tokens. As BPE: every way to cut a token into two tokens
+    is a merge, ranked by the token's score."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sorted(((t[:k], t[k:]) for t in tokens for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab),
+                    key=lambda m: (-scores[vocab[m[0] + m[1]]], vocab[m[0] + m[1]]))
+    unknown = tokens[unknown_id] if unknown_id is not None and unknown_id < len(tokens) else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unknown, byte_fallback=BYTE in types,
+                               fuse_unk=True))
+    space = [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if add_space_prefix else []) + space)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return tok
 
 
@@ -416,21 +470,28 @@ def convert_gguf(source: Path):
             w = torch.from_numpy(w.copy() if not w.flags.writeable else w)
             return interleaved_to_half(w, heads, head_dim) if heads else w
         weights[ours] = ([int(n) for n in reversed(t.shape)], produce)
-    special = dict(bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-                   eos_token_id=gguf_end_of_generation(reader) or None,
-                   add_bos_token=bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False)))
-    return args, weights, special, [gguf_tokenizer(reader, source)]
+    bos, eos = (gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+    # llama.cpp adds BOS to SentencePiece and Llama 3 vocabularies unless the file says otherwise
+    bos_default = gguf_value(reader, "tokenizer.ggml.model") == "llama" or \
+        gguf_value(reader, "tokenizer.ggml.pre") in LLAMA3_NAMES
+    special = dict(bos_token_id=bos, eos_token_id=gguf_end_of_generation(reader) or None,
+                   add_bos_token=bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", bos_default)))
+    template = gguf_value(reader, "tokenizer.chat_template")
+    chat = dict(chat_template=template, bos_token=tokens[bos] if bos is not None and bos < len(tokens) else None,
+                eos_token=tokens[eos] if eos is not None and eos < len(tokens) else None) if template else None
+    return args, weights, special, [gguf_tokenizer(reader, source)], chat
 
 
 # ---------------------------------------------------------------- writing
 
-def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, tokenizers, dtype=None):
+def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, tokenizers, chat=None, dtype=None):
     """weights: name -> a tensor, or (shape, produce) for a tensor made as it is written (GGUF's dequantized float32
-    ones), so that the converter holds one tensor at a time. Floating tensors are stored in dtype where given."""
+    ones), so that the converter holds one tensor at a time. Floating tensors are stored in dtype where given.
+    chat: the chat template and its BOS and EOS strings, kept as tokenizer_config.json (chat.py reads it)."""
     check_model_args(args, output_dir / "config.json")  # before writing anything
     output_dir.mkdir(parents=True, exist_ok=True)
     names = ["config.json", "model.safetensors"] + [t.name if isinstance(t, Path) else "tokenizer.json"
-                                                    for t in tokenizers]
+                                                    for t in tokenizers] + (["tokenizer_config.json"] if chat else [])
     cli.write_mark(output_dir, TOOL, names)  # first: a later run may replace these files, and only these
     config_path = output_dir / "config.json"
     config_path.unlink(missing_ok=True)  # a directory without config.json reads as incomplete until we finish
@@ -444,6 +505,9 @@ def save_checkpoint(output_dir: Path, args: dict, weights: dict, special: dict, 
             write_atomically(output_dir / tok.name, lambda p: shutil.copyfile(tok, p))
         else:
             write_atomically(output_dir / "tokenizer.json", lambda p: tok.save(str(p)))
+    if chat:
+        write_atomically(output_dir / "tokenizer_config.json",
+                         lambda p: p.write_text(json.dumps(chat, indent=2, ensure_ascii=False) + "\n"))
     config = dict(args, **{k: v for k, v in special.items() if v is not None})
     write_atomically(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
 
@@ -454,14 +518,14 @@ def convert(source, output_dir, dtype=None):
         raise InputError(f"{source}: not found")
     cli.check_output_dir(output_dir, TOOL, inputs=[source])
     if source.suffix == ".gguf":
-        args, weights, special, tokenizers = convert_gguf(source)
+        args, weights, special, tokenizers, chat = convert_gguf(source)
     elif source.is_dir():
-        args, weights, special, tokenizers = convert_hf(source)
+        args, weights, special, tokenizers, chat = convert_hf(source)
     else:
         raise InputError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     if not tokenizers:
         raise InputError(f"{source}: no tokenizer.json or tokenizer.model found")
-    save_checkpoint(output_dir, args, weights, special, tokenizers, dtype)
+    save_checkpoint(output_dir, args, weights, special, tokenizers, chat, dtype)
     return output_dir
 
 

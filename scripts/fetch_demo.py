@@ -2,7 +2,7 @@
 
     python scripts/fetch_demo.py [--output_dir checkpoints/SmolLM2-135M-Instruct]
 
-Idempotent: an existing converted checkpoint is kept. The GGUF file stays next to it (tests use it as the
+Idempotent: an existing converted checkpoint (with its chat template) is kept. The GGUF file stays next to it (tests use it as the
 source for transformers' own GGUF loader, an independent reference).
 """
 import sys
@@ -50,8 +50,8 @@ def fetch_demo(output_dir: Path = DEFAULT_OUTPUT) -> tuple[Path, Path]:
     """Returns (converted checkpoint directory, source GGUF file)."""
     output_dir = Path(output_dir)
     gguf = fetch_gguf(output_dir.parent / GGUF_NAME)
-    if not (output_dir / "config.json").is_file():
-        convert(gguf, output_dir)
+    if not (output_dir / "config.json").is_file() or not (output_dir / "tokenizer_config.json").is_file():
+        convert(gguf, output_dir)  # (one converted before the converter carried chat templates: again)
     return output_dir, gguf
 
 

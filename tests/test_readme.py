@@ -23,7 +23,8 @@ def test_readme_flags_exist():
 
 
 LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "backend",
-           "loading", "decoding", "prompts", "cpu", "cpu.kernels", "cpu.modules", "cpu.threads", "gpu")
+           "loading", "decoding", "prompts", "chat", "cpu", "cpu.fingerprints", "cpu.kernels", "cpu.modules",
+           "cpu.threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 
 

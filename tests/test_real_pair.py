@@ -165,14 +165,15 @@ def test_qwen2_tokenizer_matches_the_ggufs_own_on_all_humaneval_prompts(qwen_sma
 
 def test_qwen2_tokenizer_matches_llama_cpp_on_all_humaneval_prompts(qwen_pair):
     """Against llama.cpp itself (llama-cpp-python, where installed: it builds from source, so it is not a
-    requirement; the test above holds the GGUF's vocabulary as transformers reads it): 164 texts, 30,863 tokens."""
+    requirement; the test above holds the GGUF's vocabulary as transformers reads it): 164 texts, 30,863 tokens,
+    and test_gguf_tokenizers.py's texts (digit runs, contractions, unicode, whitespace, special tokens)."""
+    from test_gguf_tokenizers import texts
     lc = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional; builds from source)")
-    gguf = fetch_models.CHECKPOINTS / fetch_models.MODELS["qwen2.5-coder-0.5b"].file
-    llm = lc.Llama(str(gguf), vocab_only=True, verbose=False)
-    ours = Tokenizer(qwen_pair[1])
-    for task in humaneval_tasks():
-        text = task["prompt"] + task["canonical_solution"]
-        assert ours.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=False), task["task_id"]
+    for name, ckpt in zip(("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"), qwen_pair):
+        llm = lc.Llama(str(fetch_models.CHECKPOINTS / fetch_models.MODELS[name].file), vocab_only=True, verbose=False)
+        ours = Tokenizer(ckpt)
+        for text in texts():
+            assert ours.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), (name, text[:60])
 
 
 def test_qwen_small_logits_and_greedy_match_transformers(qwen_small_fp32):

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 import tp
 from backend import report
+from chat import Chat, ChatTemplate
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint
 from decoding import Steps, cache_length, generate, presize_caches, spare_positions
 from loading import BACKENDS, DTYPES, check_device, load_model, make_drafter, verify_limit
-from chat import Chat, ChatTemplate
 from model import ModelArgs
 from tokenizer import TextStream, Tokenizer
 

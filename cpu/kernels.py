@@ -1,6 +1,7 @@
 """few_rows.cpp: built for this CPU at first use, cached under a name made from what made it, and its ops."""
 import contextlib
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -42,9 +43,21 @@ def build_name(source: str, march: str, portable: bool = False) -> str:
     return "few_rows_" + hashlib.sha256(made_of.encode()).hexdigest()[:16]
 
 
+def cpp_extension():
+    """torch.utils.cpp_extension, imported without the warning a CUDA build of torch logs there when it finds nvcc
+    but no GPU ("No CUDA runtime is found"; PyPI's torch on a CPU machine): these kernels build for the CPU."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension as extension
+    finally:
+        log.setLevel(level)
+    return extension
+
+
 def build_root() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension().get_default_build_root())
 
 
 LOCK_WAIT_S = float(os.environ.get("FEW_ROWS_LOCK_WAIT_S", 900))  # then build beside the holder, not wait forever
@@ -108,7 +121,7 @@ def build_lock(path: Path):
 
 def compile_and_load(name: str, march: str, library: Path, portable: bool = False):
     """Build in a directory of this process's, load, and rename the library into place; says so on stderr."""
-    from torch.utils.cpp_extension import load
+    load = cpp_extension().load
     root = library.parent
     for stale in root.glob(f"{name}.build-*"):  # left by a killed build (the lock is ours: no live build uses it)
         pid = stale.name.split("-")[-2] if stale.name.count("-") >= 2 else ""

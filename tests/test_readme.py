@@ -73,7 +73,8 @@ def test_only_the_cli_s_own_tests_import_the_cli():
     for path in [*ROOT.glob("*.py"), *ROOT.glob("cpu/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
         if re.search(r"^\s*(import generate\b|from generate import)", path.read_text(), re.M):
             importers.append(path.relative_to(ROOT).as_posix())
-    assert sorted(importers) == ["tests/test_cli.py", "tests/test_generate.py", "tests/test_readme.py"], importers
+    assert sorted(importers) == ["tests/test_chat.py", "tests/test_cli.py", "tests/test_generate.py",
+                                 "tests/test_readme.py"], importers
 
 
 def test_model_py_imports_torch_and_the_standard_library_only():

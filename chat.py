@@ -23,6 +23,8 @@ from checkpoint import InputError
 
 
 class ChatTemplate:
+    """A checkpoint's chat template, compiled in the sandbox; a missing or broken one is one line (InputError)."""
+
     def __init__(self, checkpoint_dir):
         checkpoint_dir = Path(checkpoint_dir)
         config_path, jinja_path = checkpoint_dir / "tokenizer_config.json", checkpoint_dir / "chat_template.jinja"
@@ -45,6 +47,7 @@ class ChatTemplate:
                              "chat_template); convert a source that has one with scripts/convert_checkpoint.py, or "
                              "drop --chat")
         self.special = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 

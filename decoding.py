@@ -129,7 +129,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     each look waits for the GPU; 1 elsewhere): a row that ends within those steps has decoded past its end, and
     those tokens are dropped.
     """
-    adaptive = AdaptiveK() if speculate_k == "auto" else None
+    limit = report(model).max_verify_tokens
+    adaptive = AdaptiveK(k_max=limit - 1 if limit else None) if speculate_k == "auto" else None
     device = model.tok_embeddings.weight.device
     sync_every = sync_every or (8 if device.type == "cuda" else 1)
     B = len(prompts)

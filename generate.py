@@ -24,7 +24,7 @@ from backend import report
 from chat import Chat, ChatTemplate
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint
 from decoding import Steps, cache_length, generate, presize_caches, spare_positions
-from loading import BACKENDS, DTYPES, check_device, load_model, make_drafter, verify_limit
+from loading import BACKENDS, DTYPES, check_device, draft_mode, load_model, make_drafter, verify_limit
 from model import ModelArgs
 from tokenizer import TextStream, Tokenizer
 
@@ -70,6 +70,10 @@ def build_parser():
     p.add_argument("--verbose", action="store_true", help="say what loading took, phase by phase, and what the "
                    "backend serves")
     p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
+    p.add_argument("--draft_quantize", default=None, help="the form a full-precision draft model runs in: auto "
+                   "(default: int4, written once beside it as quantize.py's model.int4.safetensors; with --backend "
+                   "torch, as it is), none (as it is) or a quantize.py mode. It changes which drafts are accepted, "
+                   "never the output")
     p.add_argument("--draft", choices=["model", "ngram"], default=None,
                    help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
     p.add_argument("--speculate_k", type=speculate_k_arg, default=5,
@@ -97,6 +101,10 @@ def check_options(opts):
         raise InputError("--draft model needs --draft_checkpoint PATH")
     if opts.draft == "ngram" and opts.draft_checkpoint:
         raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
+    if opts.draft_quantize is not None:
+        if not opts.draft_checkpoint:
+            raise InputError("--draft_quantize applies to a draft model; give --draft_checkpoint PATH or drop it")
+        draft_mode(opts.draft_quantize, opts.backend)
     if opts.nproc_per_node < 1:
         raise InputError(f"--nproc_per_node {opts.nproc_per_node}: must be at least 1")
     if opts.chat and (opts.batch_size > 1 or opts.num_samples > 1):
@@ -182,12 +190,13 @@ def run(opts):
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     t = time.perf_counter()
     drafter = make_drafter(opts.draft or ("model" if opts.draft_checkpoint else None), opts.draft_checkpoint, device,
-                           DTYPES[opts.dtype], opts.backend, opts.compile, draft_phases)
+                           DTYPES[opts.dtype], opts.backend, opts.compile, draft_phases,
+                           opts.draft_quantize or "auto", say=lambda line: print(line, file=sys.stderr))
     draft_load_s = time.perf_counter() - t if draft_phases else 0.0
     if opts.verbose and rank0:
         say_phases(f"loaded {ckpt_dir}", load_s, load_phases)
         if draft_phases:
-            say_phases(f"loaded the draft {opts.draft_checkpoint}", draft_load_s, draft_phases)
+            say_phases(f"loaded the draft {opts.draft_checkpoint} as {drafter.form}", draft_load_s, draft_phases)
         served = report(model)
         print(f"backend {served.name}: {served.serves}" + (f" ({served.fallback})" if served.fallback else ""),
               file=sys.stderr)
@@ -203,15 +212,15 @@ def run(opts):
         held = [None] * dist.get_world_size(group)
         dist.all_gather_object(held, report(model).held_bytes, group=group)
     if rank0 and not opts.json and not opts.verbose:
-        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", the draft in {draft_load_s:.2f} s" if draft_phases
-                                                           else "")
+        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", the draft ({drafter.form}) in {draft_load_s:.2f} s"
+                                                           if draft_phases else "")
               + (f", compiled in {compile_s:.1f} s" if compile_s else ""), file=sys.stderr)
         if group is not None:
             print(f"tensor parallel over {len(held)} ranks ({dist.get_backend(group)}): weights held per rank "
                   f"{', '.join(f'{b / 1e6:.1f}' for b in held)} MB", file=sys.stderr)
     load = dict(load_s=round(load_s, 3), load_phases={k: round(v, 3) for k, v in load_phases.items()})
     if draft_phases:
-        load.update(draft_load_s=round(draft_load_s, 3),
+        load.update(draft_form=drafter.form, draft_load_s=round(draft_load_s, 3),
                     draft_load_phases={k: round(v, 3) for k, v in draft_phases.items()})
     metrics = dict(step_bytes=report(model).step_bytes, compile_s=compile_s, load=load)
     run_one = dict(model=model, steps=steps, **sampling, **speculation)
@@ -296,7 +305,8 @@ def say(opts, rows, stats, which, prompt, tokenizer, stop_ids, metrics, rank0, s
               + (f"; on {stats['threads']} of {torch.get_num_threads()} threads: other processes keep the other "
                  "cores busy" if shared else "") + "]", file=sys.stderr)
         if spec:
-            print(f"[speculative: k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
+            form = metrics["load"].get("draft_form")
+            print(f"[speculative: {f'draft {form}, ' if form else ''}k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
                   f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
                   f"{spec['draft_cost_ratio']:.3f}]", file=sys.stderr)
 

@@ -3,6 +3,7 @@ parallelism, dtype and device, then the backend of that device (cpu/ or gpu.py),
 (backend.report). What generate.py, the scripts and the tests load models with.
 """
 import dataclasses
+import os
 import time
 
 import torch
@@ -99,13 +100,84 @@ def verify_limit(device, backend="auto") -> int | None:
     return cpu.MAX_VERIFY_TOKENS if backend == "auto" and torch.device(device).type == "cpu" else None
 
 
+DRAFT_FORMS = ("auto", "none", *quantize.MODES)
+
+
+def draft_mode(form, backend="auto") -> str | None:
+    """The quantize.py mode a full-precision draft runs in: auto is int4 where a backend serves its products (on
+    model.py's PyTorch path an int4 product dequantizes its weight at every call, slower than bf16), none keeps it."""
+    if form not in DRAFT_FORMS:
+        raise InputError(f"--draft_quantize {form}: unknown; use {', '.join(DRAFT_FORMS)}")
+    if form == "auto":
+        return "int4" if backend == "auto" else None
+    return None if form == "none" else form
+
+
+def load_draft(checkpoint, device="cpu", dtype=torch.bfloat16, backend="auto", form="auto", phases=None,
+               say=print):
+    """The draft model, in its cheapest good form: its bits change which drafts the target accepts, never the
+    output. A full-precision draft runs as draft_mode(form): quantize.py's copy beside it where one is current, else
+    written there once (marked written_for "draft": only such a file is ever replaced, never a user's), else, where
+    that cannot be written, quantized in memory. Returns (model, the form that runs: "int4 (FILE)", "bf16", ...)."""
+    phases = {} if phases is None else phases
+    ckpt_dir, weights_path = resolve_checkpoint(checkpoint)
+    mode = draft_mode(form, backend)
+    own_mode = quantize.file_mode(map_safetensors(weights_path)[1], weights_path)[0]
+    if mode and not own_mode and not quantize_fits(read_model_args(ckpt_dir / "config.json"), mode):
+        if form != "auto":
+            raise InputError(f"--draft_quantize {form}: {ckpt_dir}'s layers do not fit {mode} (see quantize.py); "
+                             "use auto or none")
+        mode = None  # a draft too small for int4's groups runs as it is
+    if own_mode or mode is None:
+        model = load_model(weights_path, device, dtype, backend=backend, phases=phases)
+        return model, own_mode or {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    copy = ckpt_dir / f"model.{mode}.safetensors"
+    start = time.perf_counter()
+    if tp.is_rank0() and not quantize.current_copy(copy, weights_path, mode) and draft_copy_may_be_written(copy):
+        say(f"draft: writing its {mode} copy {copy} (once; a draft's bits change only which drafts are accepted, "
+            f"never the output; --draft_quantize none keeps it as it is)")
+        try:
+            quantize.quantize_checkpoint(weights_path, mode, output=copy, written_for="draft")
+        except (InputError, OSError) as e:
+            say(f"draft: {copy} not written ({str(e).splitlines()[0][:160]}); quantizing it in memory")
+        phases["quantize"] = time.perf_counter() - start
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the other ranks map what rank 0 wrote
+    if quantize.current_copy(copy, weights_path, mode):
+        return load_model(copy, device, dtype, backend=backend, phases=phases), f"{mode} ({copy})"
+    start = time.perf_counter()  # a user's file of that name is in the way, or the directory is read-only
+    model = load_model(weights_path, device, dtype, backend="torch", phases=phases)
+    quantize.quantize_model(model, mode)
+    phases["quantize"] = phases.get("quantize", 0.0) + time.perf_counter() - start
+    if backend == "auto":
+        apply_backend(model, None, phases)
+    return model, f"{mode} (in memory)"
+
+
+def quantize_fits(args, mode) -> bool:
+    """Whether every Linear of a model of these args has the shape quantize.py's `mode` needs."""
+    try:
+        with torch.device("meta"), no_random_init():
+            quantize.replace_linears(Transformer(args), mode, 32)
+        return True
+    except InputError:
+        return False
+
+
+def draft_copy_may_be_written(path) -> bool:
+    """Absent, or a copy this loader wrote before (quantize.py's metadata mark), in a writable directory."""
+    if path.exists():
+        return quantize.written_by_quantize(path) and map_safetensors(path)[1].get("written_for") == "draft"
+    return os.access(path.parent, os.W_OK)
+
+
 def make_drafter(kind, checkpoint=None, device="cpu", dtype=torch.bfloat16, backend="auto", compile=False,
-                 phases=None):
-    """A drafter: "model" (the draft model at `checkpoint`, loaded replicated under tensor parallelism), "ngram"
-    (prompt lookup), or None for none."""
+                 phases=None, form="auto", say=print):
+    """A drafter: "model" (the draft model at `checkpoint` in the form load_draft gives it, loaded replicated under
+    tensor parallelism; drafter.form says which), "ngram" (prompt lookup), or None for none."""
     if kind == "ngram":
         return NgramDrafter()
     if kind is None:
         return None
-    draft = load_model(checkpoint, device, dtype, backend=backend, phases=phases)
-    return ModelDrafter(draft, compile=compile)
+    draft, form = load_draft(checkpoint, device, dtype, backend, form, phases, say)
+    return ModelDrafter(draft, compile=compile, form=form)

@@ -214,8 +214,10 @@ def quantize_model(model, mode, groupsize=32, rule=None):
     return model
 
 
-def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=None, progress=True) -> Path:
-    """Quantize one Linear at a time from the mapped source; write atomically. Returns the output path."""
+def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=None, progress=True,
+                        written_for=None) -> Path:
+    """Quantize one Linear at a time from the mapped source; write atomically. Returns the output path.
+    written_for: a mark in the metadata for a file a tool wrote on its own ("draft": loading.load_draft's copy)."""
     from tqdm import tqdm
 
     check_mode(mode, groupsize)
@@ -228,6 +230,7 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
                          "full-precision model.safetensors instead")
     output = cli.check_output_file(output or ckpt_dir / f"model.{mode}.safetensors", [weights_path],
                                    written_by_quantize)
+    source_bytes = weights_path.stat().st_size
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:
@@ -245,7 +248,9 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
         else:  # embeddings, norms, biases: 16-bit
             out[name] = w.to(torch.bfloat16).contiguous()
     meta = {"quantization": mode, "groupsize": str(groupsize if mode == "int4" else block_of(mode, groupsize)),
-            "source": weights_path.name}
+            "source": weights_path.name, "source_bytes": str(source_bytes)}
+    if written_for:
+        meta["written_for"] = written_for
     if mode in MX_MODES:
         meta.update(mx_element=MX_MODES[mode], mx_scale_rule=rule)
     from safetensors.torch import save_file
@@ -258,6 +263,19 @@ def written_by_quantize(path) -> bool:
     try:
         return "quantization" in map_safetensors(path)[1]
     except InputError:
+        return False
+
+
+def current_copy(path, source, mode) -> bool:
+    """Whether `path` is quantize.py's `mode` copy of `source` as it is now: named for it, of its size, and written
+    after it (a file from before quantize.py recorded the size: name and time alone)."""
+    try:
+        metadata = map_safetensors(path)[1]
+        size = metadata.get("source_bytes")
+        return (metadata.get("quantization") == mode and metadata.get("source") == Path(source).name
+                and (size is None or int(size) == Path(source).stat().st_size)
+                and Path(path).stat().st_mtime >= Path(source).stat().st_mtime)
+    except (InputError, OSError, ValueError):
         return False
 
 

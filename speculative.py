@@ -84,8 +84,9 @@ class ModelDrafter:
     docs/how-it-works.md).
     """
 
-    def __init__(self, model, compile=False):
+    def __init__(self, model, compile=False, form=None):
         self.model = model
+        self.form = form  # what the draft runs as, for the report: "int4 (FILE)", "bf16", ...
         self.cached_until = None
         self.step = self._step
         if compile and report(model).compile_steps:
@@ -158,7 +159,8 @@ def expected_speedup(alpha: float, c: float, k: int) -> float:
 
 
 class AdaptiveK:
-    """--speculate_k auto: every few rounds, step K by one toward the K that maximizes tokens per second,
+    """--speculate_k auto: every few rounds, step K by one toward the K, among every K the backend verifies exactly
+    (up to k_max), that maximizes tokens per second,
     (1 - a^(K+1)) / (1 - a) / (K t_draft + t_verify(K)), from moving averages measured online: alpha (accepted /
     tried drafts), the draft step time, and the verify time at each K tried, fitted by a line in K. With one K
     seen, t_verify is taken as constant and this is expected_speedup with c = t_draft / t_verify. The verify
@@ -166,10 +168,11 @@ class AdaptiveK:
     Small steps, though compiling is not what they save: the second K seen turns the compiled verify into one
     graph for any K (dynamo's automatic dynamic shapes), and no K after it compiles."""
 
-    k_max = 8
+    k_max = 16  # the most it ever tries (a longer verify paid on no CPU or GPU measured); a caller may lower it
 
-    def __init__(self, k=4, every=8, decay=0.8):
+    def __init__(self, k=4, every=8, decay=0.8, k_max=None):
         self.k, self.every, self.decay = k, every, decay
+        self.k_max = min(self.k_max, k_max or self.k_max)
         self.alpha, self.draft_s, self.verify_s, self.rounds = 0.5, None, {}, 0
 
     def _ema(self, old, new):

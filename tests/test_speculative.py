@@ -12,7 +12,7 @@ from model import ModelArgs, Transformer
 from sampling import logits_to_probs
 from speculative import ModelDrafter, NgramDrafter, accept, verify
 from test_cuda import sampled_total_variation
-from test_generate import cli
+from test_generate import assert_one_line_error, cli
 from tokenizer import Tokenizer
 
 TV_BOUND = 0.01
@@ -234,3 +234,87 @@ def test_greedy_speculation_is_exact_at_any_k_in_bf16(real_bf16, quantized, k):
             assert rows[0] == expected, (name, k)
         rows, _ = generate(model, prompts, 48, Steps(), drafter=drafter, speculate_k=k)
         assert rows == plain_batch, (name, k, "batch")
+
+
+def draft_beside(ckpt, directory):
+    """A checkpoint directory of links to the real one's files: a draft whose directory the test may write in."""
+    for path in ckpt.iterdir():
+        if path.name in ("config.json", "model.safetensors") or path.name.startswith("tokenizer"):
+            (directory / path.name).symlink_to(path)
+    return directory
+
+
+def test_a_full_precision_draft_runs_as_int4_written_once_and_gives_the_same_tokens(real_bf16, smollm2, tmp_path):
+    """--draft_quantize auto (the default): a bf16 draft runs as quantize.py's int4 copy, written beside it once with
+    the loader's mark and mapped by later loads; greedy output equals the bf16 draft's run and plain decoding."""
+    import quantize
+    from loading import make_drafter
+    model, prompts, plain, _ = real_bf16
+    directory = draft_beside(smollm2[0], tmp_path)
+    copy = directory / "model.int4.safetensors"
+    said = []
+    drafter = make_drafter("model", directory, say=said.append)
+    assert drafter.form == f"int4 ({copy})" and len(said) == 1 and "writing" in said[0]
+    assert map_metadata(copy)["written_for"] == "draft" and quantize.current_copy(copy, directory / "model.safetensors",
+                                                                                  "int4")
+    written = copy.stat().st_mtime_ns
+    again = make_drafter("model", directory, say=said.append)
+    assert again.form == drafter.form and copy.stat().st_mtime_ns == written and len(said) == 1  # reused
+    as_is = make_drafter("model", directory, form="none")
+    assert as_is.form == "bf16"
+    for prompt, expected in zip(prompts, plain):
+        for d in (drafter, as_is):
+            rows, stats = generate(model, [prompt], 48, Steps(), drafter=d, speculate_k=7)
+            assert rows[0] == expected
+    assert make_drafter("model", directory, backend="torch").form == "bf16"  # model.py's int4 dequantizes each call
+
+
+def map_metadata(path):
+    from checkpoint import map_safetensors
+    return map_safetensors(path)[1]
+
+
+def test_the_draft_copy_never_replaces_a_users_file(smollm2, tmp_path):
+    """A file of the copy's name that the loader did not write stays as it is, even stale: the draft is then
+    quantized in memory. Only a stale copy with the loader's own mark is written again."""
+    import os
+    import quantize
+    from loading import load_draft
+    directory = draft_beside(smollm2[0], tmp_path)
+    copy = directory / "model.int4.safetensors"
+    copy.write_bytes(b"my notes")
+    model, form = load_draft(directory, say=lambda line: None)
+    assert form == "int4 (in memory)" and copy.read_bytes() == b"my notes"
+    assert type(model.layers[0].attention.wo).__name__ != "Linear"  # quantized (the backend's int4 module)
+    copy.unlink()
+    quantize.quantize_checkpoint(directory, "int4", groupsize=64, progress=False)  # the user's own, current: used
+    assert load_draft(directory, say=lambda line: None)[1] == f"int4 ({copy})"
+    source = (directory / "model.safetensors").stat().st_mtime
+    os.utime(copy, (source - 60, source - 60))  # now older than its source: stale, and not the loader's
+    mine = copy.read_bytes()
+    assert load_draft(directory, say=lambda line: None)[1] == "int4 (in memory)" and copy.read_bytes() == mine
+    copy.unlink()
+    load_draft(directory, say=lambda line: None)
+    os.utime(copy, (source - 60, source - 60))  # the loader's own stale copy: replaced
+    said = []
+    assert load_draft(directory, say=said.append)[1] == f"int4 ({copy})" and "writing" in said[0]
+    assert copy.stat().st_mtime >= source
+
+
+def test_draft_quantize_flag(tiny, tmp_path):
+    """The form a draft ran in is in --json; a draft too small for int4's groups runs as it is under auto, and asked
+    for int4 it is one line; the flag without a draft model, or of an unknown form, is one line."""
+    from loading import quantize_fits
+    ckpt, _ = tiny("llama_gqa_tied")
+    draft = draft_beside(ckpt, tmp_path)
+    args = ["--checkpoint_path", ckpt, "--draft_checkpoint", draft, "--prompt", "ab", "--max_new_tokens", "4",
+            "--temperature", "0", "--json", "--dtype", "fp32"]
+    record = json.loads(cli(*args).stdout)
+    assert record["draft_form"] == f"int4 ({draft / 'model.int4.safetensors'})"
+    assert json.loads(cli(*args, "--draft_quantize", "none").stdout)["draft_form"] == "fp32"
+    assert_one_line_error(cli("--checkpoint_path", ckpt, "--draft_quantize", "int4", "--prompt", "ab"),
+                          "--draft_quantize applies to a draft model")
+    assert_one_line_error(cli(*args, "--draft_quantize", "int3"), "--draft_quantize int3: unknown")
+    small = ModelArgs(vocab_size=256, dim=48, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                      max_seq_len=64)
+    assert not quantize_fits(small, "int4") and quantize_fits(small, "int8")

@@ -49,6 +49,39 @@ at::Tensor product(const Weight& weight, const X* xp, int64_t M, int64_t K, int6
   return y;
 }
 
+// The memory's read bandwidth as the products see it: a buffer streamed as they stream weights (the same tasks over
+// every core, 64-byte loads, the same prefetch), its words combined by xor, the cheapest use that keeps the loads.
+// The bench's roofline (scripts/bench.py): a probe that reads another way measured less than the decode read.
+int64_t stream_read(const at::Tensor& buffer) {
+  typedef int32_t words __attribute__((vector_size(64)));
+  TORCH_CHECK(buffer.is_contiguous() && buffer.numel() * buffer.element_size() % 4096 == 0,
+              "few_rows: stream_read needs a contiguous buffer of whole 4 KiB pages");
+  const char* bytes = reinterpret_cast<const char*>(buffer.data_ptr());
+  const int64_t pages = buffer.numel() * buffer.element_size() / 4096;
+  int32_t all = 0;
+  std::mutex lock;
+  at::parallel_for(0, pages, 16, [&](int64_t begin, int64_t end) {
+    words acc[4] = {};
+    for (const char* p = bytes + begin * 4096; p < bytes + end * 4096; p += 256) {
+      __builtin_prefetch(p + PREFETCH_BYTES);
+      __builtin_prefetch(p + PREFETCH_BYTES + 64);
+      __builtin_prefetch(p + PREFETCH_BYTES + 128);
+      __builtin_prefetch(p + PREFETCH_BYTES + 192);
+      for (int i = 0; i < 4; i++) {
+        words v;
+        std::memcpy(&v, p + 64 * i, 64);
+        acc[i] ^= v;
+      }
+    }
+    int32_t word = 0;
+    for (auto& a : acc)
+      for (int j = 0; j < 16; j++) word ^= a[j];
+    std::lock_guard<std::mutex> guard(lock);
+    all ^= word;
+  });
+  return all;
+}
+
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
               "few_rows: x must be float32 or bf16 [M, ", K, "]");

@@ -375,6 +375,8 @@ def timed_turns(setups, n_prompts, runs, contended=False):
     loads = (False, True) if contended else (False,)
     results = {busy: [[] for _ in setups] for busy in loads}
     for i in range(n_prompts):
+        print(f"# turn {i + 1} of {n_prompts}: prompt {i}, every row{f' x {runs} runs' if runs > 1 else ''}",
+              file=sys.stderr, flush=True)
         for _ in range(runs):
             for busy in loads:  # idle and busy turns alternate, so a drifting machine reaches both alike
                 with BusyProcess() if busy else contextlib.nullcontext():

@@ -97,6 +97,21 @@ def test_smollm2_bf16_steps_in_one_call_are_model_py_bit_for_bit(smollm2):
         assert torch.equal(one_call, forward), (i, (one_call.float() - forward.float()).abs().max())
 
 
+def test_an_8_row_verify_is_8_decode_steps_bit_for_bit(smollm2):
+    """Real weights, bf16, with the backend: the logits of a verify of 8 tokens (K = 7) equal, bit for bit, those of
+    8 one-token decode steps of the same tokens from the same cache state (what makes K = 7 exact)."""
+    ckpt, _ = smollm2
+    m = load_model(ckpt, "cpu", torch.bfloat16)
+    m.setup_caches(1, 256)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        m(torch.randint(0, 49152, (1, 60), generator=generator), torch.arange(60)[None])
+        tokens = torch.randint(0, 49152, (1, 8), generator=generator)
+        verify = m(tokens, torch.arange(60, 68)[None])
+        steps = torch.cat([m(tokens[:, i:i + 1], torch.tensor([[60 + i]])) for i in range(8)], 1)
+    assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
+
+
 def test_a_step_runs_in_one_call_only_where_it_can():
     """Llama-family steps on CPU in bf16 or float32 run as one call, and a compiled step then compiles nothing,
     whatever the number of rows (a verify of K = 32 and batch rows included); a position past the cache is refused,

@@ -191,7 +191,7 @@ def run(opts):
     t = time.perf_counter()
     drafter = make_drafter(opts.draft or ("model" if opts.draft_checkpoint else None), opts.draft_checkpoint, device,
                            DTYPES[opts.dtype], opts.backend, opts.compile, draft_phases,
-                           opts.draft_quantize or "auto", say=lambda line: print(line, file=sys.stderr))
+                           opts.draft_quantize or "auto")
     draft_load_s = time.perf_counter() - t if draft_phases else 0.0
     if opts.verbose and rank0:
         say_phases(f"loaded {ckpt_dir}", load_s, load_phases)
@@ -306,7 +306,8 @@ def say(opts, rows, stats, which, prompt, tokenizer, stop_ids, metrics, rank0, s
                  "cores busy" if shared else "") + "]", file=sys.stderr)
         if spec:
             form = metrics["load"].get("draft_form")
-            print(f"[speculative: {f'draft {form}, ' if form else ''}k={spec['speculate_k']}, accept counts {spec['accept_counts']}, mean "
+            print(f"[speculative: {f'draft {form}, ' if form else ''}k={spec['speculate_k']}, accept counts "
+                  f"{spec['accept_counts']}, mean "
                   f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
                   f"{spec['draft_cost_ratio']:.3f}]", file=sys.stderr)
 

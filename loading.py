@@ -4,6 +4,7 @@ parallelism, dtype and device, then the backend of that device (cpu/ or gpu.py),
 """
 import dataclasses
 import os
+import sys
 import time
 
 import torch
@@ -114,12 +115,13 @@ def draft_mode(form, backend="auto") -> str | None:
 
 
 def load_draft(checkpoint, device="cpu", dtype=torch.bfloat16, backend="auto", form="auto", phases=None,
-               say=print):
+               say=None):
     """The draft model, in its cheapest good form: its bits change which drafts the target accepts, never the
     output. A full-precision draft runs as draft_mode(form): quantize.py's copy beside it where one is current, else
     written there once (marked written_for "draft": only such a file is ever replaced, never a user's), else, where
     that cannot be written, quantized in memory. Returns (model, the form that runs: "int4 (FILE)", "bf16", ...)."""
     phases = {} if phases is None else phases
+    say = say or (lambda line: print(line, file=sys.stderr))
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint)
     mode = draft_mode(form, backend)
     own_mode = quantize.file_mode(map_safetensors(weights_path)[1], weights_path)[0]
@@ -145,7 +147,11 @@ def load_draft(checkpoint, device="cpu", dtype=torch.bfloat16, backend="auto", f
         torch.distributed.barrier()  # the other ranks map what rank 0 wrote
     if quantize.current_copy(copy, weights_path, mode):
         return load_model(copy, device, dtype, backend=backend, phases=phases), f"{mode} ({copy})"
-    start = time.perf_counter()  # a user's file of that name is in the way, or the directory is read-only
+    if tp.is_rank0():  # a file of that name that the loader did not write is in the way, or it cannot write there
+        say(f"draft: quantizing it to {mode} in memory at every load: {copy} is not its current {mode} copy and "
+            "is not the loader's to replace (run quantize.py into it, or remove it, to keep a copy)"
+            if copy.exists() else f"draft: quantizing it to {mode} in memory ({ckpt_dir} is not writable)")
+    start = time.perf_counter()
     model = load_model(weights_path, device, dtype, backend="torch", phases=phases)
     quantize.quantize_model(model, mode)
     phases["quantize"] = phases.get("quantize", 0.0) + time.perf_counter() - start
@@ -172,7 +178,7 @@ def draft_copy_may_be_written(path) -> bool:
 
 
 def make_drafter(kind, checkpoint=None, device="cpu", dtype=torch.bfloat16, backend="auto", compile=False,
-                 phases=None, form="auto", say=print):
+                 phases=None, form="auto", say=None):
     """A drafter: "model" (the draft model at `checkpoint` in the form load_draft gives it, loaded replicated under
     tensor parallelism; drafter.form says which), "ngram" (prompt lookup), or None for none."""
     if kind == "ngram":

@@ -212,7 +212,7 @@ def run(opts):
         held = [None] * dist.get_world_size(group)
         dist.all_gather_object(held, report(model).held_bytes, group=group)
     if rank0 and not opts.json and not opts.verbose:
-        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", the draft ({drafter.form}) in {draft_load_s:.2f} s"
+        print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", the draft as {drafter.form} in {draft_load_s:.2f} s"
                                                            if draft_phases else "")
               + (f", compiled in {compile_s:.1f} s" if compile_s else ""), file=sys.stderr)
         if group is not None:

@@ -125,6 +125,9 @@ def load_draft(checkpoint, device="cpu", dtype=torch.bfloat16, backend="auto", f
     ckpt_dir, weights_path = resolve_checkpoint(checkpoint)
     mode = draft_mode(form, backend)
     own_mode = quantize.file_mode(map_safetensors(weights_path)[1], weights_path)[0]
+    if own_mode and form not in ("auto", "none", own_mode):
+        raise InputError(f"--draft_quantize {form}: {weights_path} is already {own_mode}; give the draft's "
+                         "full-precision model.safetensors, or drop the flag")
     if mode and not own_mode and not quantize_fits(read_model_args(ckpt_dir / "config.json"), mode):
         if form != "auto":
             raise InputError(f"--draft_quantize {form}: {ckpt_dir}'s layers do not fit {mode} (see quantize.py); "

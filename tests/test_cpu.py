@@ -112,6 +112,17 @@ def test_an_8_row_verify_is_8_decode_steps_bit_for_bit(smollm2):
     assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
 
 
+def test_stream_read_reads_every_word():
+    """The bench's read probe touches the whole buffer: its result is the xor of every 32-bit word, so a skipped
+    page or task changes it."""
+    import numpy as np
+    assert kernels.load()
+    words = torch.randint(-2**31, 2**31 - 1, (3 * 4096 * 17 // 4,), dtype=torch.int32)
+    assert torch.ops.few_rows.stream_read(words) == int(np.bitwise_xor.reduce(words.numpy()))
+    with pytest.raises(RuntimeError, match="whole 4 KiB pages"):
+        torch.ops.few_rows.stream_read(torch.zeros(100, dtype=torch.uint8))
+
+
 def test_a_step_runs_in_one_call_only_where_it_can():
     """Llama-family steps on CPU in bf16 or float32 run as one call, and a compiled step then compiles nothing,
     whatever the number of rows (a verify of K = 32 and batch rows included); a position past the cache is refused,

@@ -315,6 +315,8 @@ def test_draft_quantize_flag(tiny, tmp_path):
     assert_one_line_error(cli("--checkpoint_path", ckpt, "--draft_quantize", "int4", "--prompt", "ab"),
                           "--draft_quantize applies to a draft model")
     assert_one_line_error(cli(*args, "--draft_quantize", "int3"), "--draft_quantize int3: unknown")
+    copy = draft / "model.int4.safetensors"
+    assert_one_line_error(cli(*args[:3], copy, *args[4:], "--draft_quantize", "int8"), "is already int4")
     small = ModelArgs(vocab_size=256, dim=48, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
                       max_seq_len=64)
     assert not quantize_fits(small, "int4") and quantize_fits(small, "int8")

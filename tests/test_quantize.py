@@ -157,7 +157,7 @@ def test_loading_peak_stays_within_the_file_and_runtime_buffers(quantized):
     mapped codes for int8, the expanded layouts for int4 and MX). No mode may hold the weights twice."""
     for mode, path in quantized.items():
         result = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path), str(ROOT)], capture_output=True,
-                                text=True)
+                                text=True, timeout=600)
         assert result.returncode == 0, result.stderr
         peak, runtime = map(int, result.stdout.split())
         budget = 1.2 * path.stat().st_size + runtime
@@ -191,7 +191,8 @@ def test_streamed_weights_move_to_huge_pages_and_leave_the_file(quantized):
     are no longer resident in the process (< 10% of the file: the embedding is mapped but unread), and where the
     kernel offers transparent huge pages they hold nearly all of the 135 MB a step reads."""
     path = quantized["int8"]
-    result = subprocess.run([sys.executable, "-c", HUGE_PAGES, str(path), str(ROOT)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", HUGE_PAGES, str(path), str(ROOT)], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr
     file_resident, huge = map(int, result.stdout.split())
     assert file_resident < 0.1 * path.stat().st_size, file_resident

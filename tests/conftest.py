@@ -2,6 +2,7 @@
 own GGUF loading of the same file (the independent reference), and tiny random models saved by transformers
 and converted by our converter."""
 import os
+import select
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,14 @@ def hf_smollm2(smollm2):
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
+
+
+def read_line(pipe, timeout: float) -> str:
+    """A line from a child's text pipe, or an AssertionError after `timeout` seconds (a test never hangs on a child
+    that stops talking)."""
+    ready, _, _ = select.select([pipe], [], [], timeout)
+    assert ready, f"no line from the child process within {timeout} s"
+    return pipe.readline()
 
 
 def write_byte_tokenizer(directory: Path):

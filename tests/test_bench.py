@@ -79,15 +79,15 @@ def test_a_killed_bench_leaves_no_busy_loop(tmp_path):
     import subprocess
     import sys
     import time
-    from conftest import ROOT
+    from conftest import ROOT, read_line
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path[:0] = [sys.argv[1], sys.argv[1] + "
                                "'/scripts']\nfrom bench import BusyProcess\nwith BusyProcess() as busy:\n"
                                "    print(busy.process.pid, flush=True)\n    time.sleep(600)", str(ROOT)],
                               stdout=subprocess.PIPE, text=True)
-    spinner = int(holder.stdout.readline())
+    spinner = int(read_line(holder.stdout, 120))
     os.kill(spinner, 0)  # spinning
     holder.send_signal(signal.SIGKILL)
-    holder.wait()
+    holder.wait(timeout=60)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

@@ -19,6 +19,7 @@ import quantize
 import tp
 from prompts import humaneval_tasks
 from checkpoint import InputError, map_safetensors
+from conftest import read_line
 from loading import load_model
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
@@ -145,7 +146,7 @@ def test_generate_launches_its_own_ranks_and_ends_them_with_one_line(tiny):
         proc = subprocess.Popen([sys.executable, "generate.py", *common, "--nproc_per_node", "2", "--num_samples",
                                  "100000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
-        assert proc.stdout.readline().startswith("{"), proc.stderr.read()  # the ranks are decoding
+        assert read_line(proc.stdout, 300).startswith("{"), proc.stderr.read()  # the ranks are decoding
         if group:  # as a terminal sends it
             os.killpg(proc.pid, signal.SIGINT)
         else:

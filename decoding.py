@@ -9,7 +9,7 @@ import torch
 import tp
 from backend import report
 from checkpoint import InputError
-from cpu.threads import ThreadSizer
+from threads import ThreadSizer
 from model import ModelArgs
 from sampling import sample
 from speculative import AdaptiveK, ModelDrafter, compile_step, speculative_decode, verify

@@ -38,7 +38,6 @@ from checkpoint import release_file_pages
 from cpu import kernels
 from cpu.fingerprints import fingerprint, source_hash
 from cpu.modules import PRODUCTS, Attention, HugePages, OneCallStep, Stack, move_to_huge_pages
-from cpu.threads import ThreadSizer
 
 # The config fields whose meaning the backend implements: the one-call step reads norm_eps; the rest shape what
 # model.py computes around the products and attention (rotary tables, biases, the family's wiring).
@@ -47,7 +46,7 @@ KNOWN_FIELDS = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "inter
 # The modules it runs as model.py has them (exact types: a subclass may compute something else).
 KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.KVCache, nn.LayerNorm, nn.Embedding,
         nn.ModuleList, tp.VocabShardEmbedding)
-__all__ = ["apply", "ThreadSizer", "MAX_VERIFY_TOKENS"]
+__all__ = ["apply", "MAX_VERIFY_TOKENS"]
 RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")
 # The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS (what was measured
 # beside it: docs/how-it-works.md).
@@ -290,7 +289,7 @@ def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, 
 # ---------------------------------------------------------------- the remembered verdict
 
 # The modules whose code the verdict depends on: model.py's math, the quantized forms, the backend itself.
-CODE_MODULES = ("model", "quantize", "mx", "tp", "cpu", "cpu.modules", "cpu.kernels", "cpu.threads")
+CODE_MODULES = ("model", "quantize", "mx", "tp", "cpu", "cpu.modules", "cpu.kernels")
 
 
 def verdict_key(transformer) -> str:

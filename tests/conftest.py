@@ -65,6 +65,9 @@ TINY_CONFIGS = {
                                 rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
                                                      low_freq_factor=1.0, high_freq_factor=4.0,
                                                      original_max_position_embeddings=64)),
+    "qwen2_qkv_bias": dict(kind="qwen2", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
+                           max_position_embeddings=256),
     "codegen_partial_rotary": dict(kind="codegen", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                    n_positions=256, n_ctx=256),
     # Tensor parallelism at world size 2 and 3: heads, MLP and MX blocks (32) split at both. The vocabulary
@@ -79,12 +82,15 @@ TINY_CONFIGS = {
 
 
 def tiny_hf_model(name: str):
-    from transformers import CodeGenConfig, CodeGenForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (CodeGenConfig, CodeGenForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
     cfg = dict(TINY_CONFIGS[name])
     kind = cfg.pop("kind")
     torch.manual_seed(0)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**cfg, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2))
+    elif kind == "qwen2":  # q/k/v projections with biases
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2))
     else:
         model = CodeGenForCausalLM(CodeGenConfig(**cfg, bos_token_id=1, eos_token_id=2))
     with torch.no_grad():  # random init is small; widen it so differences show up in the logits

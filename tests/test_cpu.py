@@ -477,7 +477,7 @@ def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
 
 
 def test_a_step_gives_the_same_bits_on_any_number_of_threads(smollm2):
-    """Decoding may drop a thread while another process keeps a core busy (cpu.ThreadSizer): every output of a
+    """Decoding may drop a thread while another process keeps a core busy (threads.ThreadSizer): every output of a
     few-row step is summed by one thread, so 1 and 2 threads give the same logits, bit for bit."""
     ckpt, _ = smollm2
     m = load_model(ckpt, "cpu", torch.bfloat16)

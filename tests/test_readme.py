@@ -24,7 +24,7 @@ def test_readme_flags_exist():
 
 LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "backend",
            "loading", "decoding", "prompts", "chat", "cpu", "cpu.fingerprints", "cpu.kernels", "cpu.modules",
-           "cpu.threads", "gpu")
+           "threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 
 

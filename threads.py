@@ -69,12 +69,17 @@ class ThreadSizer:
             return
         wall, busy, ours = (b - a for a, b in zip(self.last, sample))
         self.last = sample
-        taken = (busy - ours) / wall - self.spare  # cores the others take from the ones we run on
-        given = self.most - self.threads
-        if taken > given + 0.3 and self.threads > 1:
-            self.threads -= 1
-        elif taken < given - 0.8 and self.threads < self.most:
-            self.threads += 1
-        else:
-            return
-        torch.set_num_threads(self.threads)
+        threads = self.resized(self.threads, self.most, (busy - ours) / wall - self.spare)
+        if threads != self.threads:
+            self.threads = threads
+            torch.set_num_threads(threads)
+
+    @staticmethod
+    def resized(threads: int, most: int, taken: float) -> int:
+        """The thread count after a look that found the others taking `taken` cores of the ones we run on."""
+        given = most - threads
+        if taken > given + 0.3 and threads > 1:
+            return threads - 1
+        if taken < given - 0.8 and threads < most:
+            return threads + 1
+        return threads

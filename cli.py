@@ -7,6 +7,7 @@ arm its Ctrl-C handling before it imports torch.
     cli.run(main_body, opts)             # InputError -> "error: ...", exit 1; Ctrl-C -> "interrupted", exit 130
 """
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -21,6 +22,17 @@ MARK = ".written-by.json"
 
 class InputError(Exception):
     """Bad input from the user (file, field, flag): reported as one line, without a traceback."""
+
+
+def require(module: str, needed_for: str):
+    """Import a package that only tests, benchmarks and the export need, or say in one line how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module.split(".")[0]:
+            raise
+        raise InputError(f"{needed_for} needs the package '{e.name}' (not a runtime requirement): "
+                         "pip install -r requirements-dev.txt") from None
 
 
 class OneLineErrors(argparse.ArgumentParser):

@@ -171,6 +171,7 @@ def from_hf_state_dict(hf: dict, args: dict) -> dict:
 
 def hf_config(args: ModelArgs):
     """A `transformers` config for a converted checkpoint (the inverse of hf_model_args)."""
+    cli.require("transformers", "the transformers reference")
     from transformers import CodeGenConfig, LlamaConfig
     if args.family == "codegen":
         return CodeGenConfig(vocab_size=args.vocab_size, n_embd=args.dim, n_layer=args.n_layers, n_head=args.n_heads,
@@ -194,8 +195,8 @@ def hf_config(args: ModelArgs):
 
 def to_hf_model(model):
     """A `transformers` model with the weights of one of ours (fp32 reference runs, the bench's baseline)."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_config(hf_config(model.args), dtype=model.output.weight.dtype)
+    transformers = cli.require("transformers", "the transformers reference")
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(model.args), dtype=model.output.weight.dtype)
     state = {k: v for k, v in model.state_dict().items() if not (k == "output.weight" and model.args.tie_embeddings)}
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(state, model.args), strict=False)
     assert not unexpected and all("rotary" in m or "causal_mask" in m or "masked_bias" in m for m in missing), \

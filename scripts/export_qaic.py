@@ -340,6 +340,7 @@ def compile_commands(out: Path, mxfp6: bool, num_cores: int) -> list[str]:
 
 def export(opts, chunk_bytes: int = DATA_CHUNK_BYTES) -> Path:
     num_cores = check_options(opts)
+    cli.require("onnx", "scripts/export_qaic.py")
     ckpt_dir = check_checkpoint(opts.checkpoint_path, opts.ctx_len)
     # an existing directory is replaced only if this tool wrote everything in it
     out = cli.check_output_dir(opts.output_dir, TOOL, inputs=[ckpt_dir], replaced_whole=True)

@@ -342,6 +342,9 @@ def main(argv=None):
 def run(opts):
     if opts.max_new_tokens < 1:
         raise InputError(f"--max_new_tokens {opts.max_new_tokens}: must be at least 1")
+    cli.require("onnx", "scripts/run_onnx.py")
+    if opts.runtime == "onnxruntime":
+        cli.require("onnxruntime", "scripts/run_onnx.py --runtime onnxruntime")
     target = ExportedModel(opts.target, "target", opts.runtime)
     draft = ExportedModel(opts.draft, "draft", opts.runtime)
     tokenizer = Tokenizer(opts.target)

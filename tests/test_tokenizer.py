@@ -34,3 +34,40 @@ def test_smollm_pre_split_isolates_digits(smollm2):
     pieces = [ours.decode([i]) for i in ours.encode("x = [\n    12]")]
     assert pieces[-4:] == ["\n    ", "1", "2", "]"]
     assert ours.encode("<|im_start|>") == [1]  # control tokens are never split
+
+
+def test_a_sentencepiece_checkpoint_encodes_decodes_and_generates(tiny, tmp_path):
+    """The tokenizer.model path (Llama 2-style checkpoints): ids as sentencepiece gives them with BOS first, control
+    tokens special, the first word's space kept after a context, and generate.py's text the decoding of its tokens."""
+    import io
+    import json
+    import os
+
+    import sentencepiece as spm
+
+    from test_generate import cli
+    texts = [t["prompt"] + t["canonical_solution"] for t in humaneval_tasks(40)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=200,
+                                   model_type="bpe", character_coverage=1.0,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    ckpt, _ = tiny("llama_gqa_tied")  # vocabulary 256: room for the 200 pieces
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(ckpt / name, tmp_path / name)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    reference = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ours = Tokenizer(tmp_path)
+    assert ours.vocab_size == 200 and ours.special_ids == {1, 2} and ours.eos_ids == {2}
+    for text in texts[:5]:
+        assert ours.encode(text) == [1] + reference.EncodeAsIds(text)
+        assert ours.encode(text, bos=False) == reference.EncodeAsIds(text)
+        assert ours.decode(ours.encode(text)) == text
+    context, more = ours.encode("def f"), ours.encode("return x", bos=False)
+    assert ours.decode(more) == "return x" and ours.decode_after(context, more) == " return x"
+    done = cli("--checkpoint_path", tmp_path, "--prompt", "def add(a, b):", "--max_new_tokens", "12",
+               "--temperature", "0", "--dtype", "fp32", "--json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout.splitlines()[-1])
+    assert record["prompt_tokens"] == len(ours.encode("def add(a, b):"))
+    assert record["text"] == ours.decode_after(ours.encode("def add(a, b):"), [t for t in record["tokens"] if t != 2])

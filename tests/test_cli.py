@@ -254,8 +254,8 @@ def test_the_backends_verdict_is_remembered_per_weights_and_code(smollm2, tmp_pa
 def test_a_refusal_is_remembered_too(monkeypatch, tmp_path, capsys):
     """A canary that fails once is not run again for the same model: the warning repeats, marked remembered."""
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu, "TOLERANCE", 0.0)
-    monkeypatch.setattr(cpu, "ONE_CALL_FP32", -1.0)
+    monkeypatch.setattr(cpu.canary, "TOLERANCE", 0.0)
+    monkeypatch.setattr(cpu.canary, "ONE_CALL_FP32", -1.0)
     torch.manual_seed(0)
     m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                           intermediate_size=96)).eval()
@@ -277,16 +277,16 @@ def test_the_verdict_key_sees_code_and_settings_not_comments(monkeypatch):
     torch.manual_seed(0)
     m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                           intermediate_size=96)).eval()
-    key = cpu.verdict_key(m)
-    assert cpu.verdict_key(m) == key
+    key = cpu.verdicts.verdict_key(m)
+    assert cpu.verdicts.verdict_key(m) == key
     monkeypatch.setattr(quantize, "ROWS", quantize.ROWS // 2)
-    assert cpu.verdict_key(m) != key
+    assert cpu.verdicts.verdict_key(m) != key
     monkeypatch.undo()
     monkeypatch.setitem(mx.FORMATS, "fp4_e2m1", mx.FORMATS["fp6_e2m3"])
-    assert cpu.verdict_key(m) != key
+    assert cpu.verdicts.verdict_key(m) != key
     monkeypatch.undo()
     monkeypatch.setattr(model, "apply_rotary", lambda x, cos, sin, r: x)
-    assert cpu.verdict_key(m) != key
+    assert cpu.verdicts.verdict_key(m) != key
 
 
 # ---------------------------------------------------------------- what a runtime install runs

@@ -567,7 +567,7 @@ def test_an_edit_that_keeps_the_math_keeps_the_one_call_step(monkeypatch, capsys
     renamed = renamed.replace("groups * T, D)", "groups * T, width)")
     assert renamed.count("width") == 2 and "hd" not in renamed and "D = self.args.head_dim\n" in renamed
     forward = defined(renamed)
-    assert cpu.fingerprint(forward) == cpu.ONE_CALL["model.Attention.forward"][0]
+    assert cpu.fingerprints.fingerprint(forward) == cpu.gate.ONE_CALL["model.Attention.forward"][0]
     monkeypatch.setattr(model.Attention, "forward", forward)
     capsys.readouterr()
     m = served_model(torch.bfloat16)
@@ -620,8 +620,8 @@ def test_the_functions_its_kernels_replace_are_the_ones_it_implements():
     round_activations outright, so no canary comparison of its own would see an edit to them, and the one-call step
     re-implements model.py's forward, which the canary sees only at its few positions: it holds a fingerprint of
     each. Failing here means one was edited: change the kernels (or the one-call step) to match, then the
-    fingerprint and source hash in cpu.REPLACED (or cpu.ONE_CALL), as printed."""
-    for table in (cpu.REPLACED, cpu.ONE_CALL):
+    fingerprint and source hash in cpu.gate.REPLACED (or cpu.gate.ONE_CALL), as printed."""
+    for table in (cpu.gate.REPLACED, cpu.gate.ONE_CALL):
         now = {name: (fingerprints.fingerprint(function_named(name)), fingerprints.source_hash(function_named(name)))
                for name in table}
         assert now == table, "\n".join(f"{name!r}: {value}," for name, value in now.items())
@@ -652,13 +652,13 @@ def test_every_cpython_computes_the_same_fingerprints():
     found = interpreters()
     if not found:
         pytest.skip("no other CPython 3.10+ on this machine (looked in $PYENV_ROOT/versions)")
-    names = list(cpu.REPLACED) + list(cpu.ONE_CALL)
+    names = list(cpu.gate.REPLACED) + list(cpu.gate.ONE_CALL)
     script = ("import importlib.util, json, sys\n"
               "spec = importlib.util.spec_from_file_location('fingerprints', 'cpu/fingerprints.py')\n"
               "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
               "print(json.dumps({n: f.fingerprint_in_file(n.split('.')[0] + '.py', n.split('.', 1)[1]) "
               "for n in json.loads(sys.argv[1])}))")
-    expected = {name: (cpu.REPLACED | cpu.ONE_CALL)[name][0] for name in names}
+    expected = {name: (cpu.gate.REPLACED | cpu.gate.ONE_CALL)[name][0] for name in names}
     for python in found:
         out = subprocess.run([python, "-I", "-c", script, json.dumps(names)], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout
@@ -668,9 +668,10 @@ def test_every_cpython_computes_the_same_fingerprints():
 def test_the_shipped_source_is_never_called_edited(monkeypatch, capsys):
     """Should an interpreter ever parse the shipped source into another tree (a stale math fingerprint here), the
     shipped source still serves: its text is the shipped one's, so nothing is called edited, no warning."""
-    monkeypatch.setitem(cpu.REPLACED, "model.Attention.attend", ("0" * 16, cpu.REPLACED["model.Attention.attend"][1]))
-    monkeypatch.setitem(cpu.ONE_CALL, "model.RMSNorm.forward", ("0" * 16, cpu.ONE_CALL["model.RMSNorm.forward"][1]))
-    assert cpu.edited(cpu.REPLACED) == [] and cpu.edited(cpu.ONE_CALL) == []
+    replaced, one_call = cpu.gate.REPLACED, cpu.gate.ONE_CALL
+    monkeypatch.setitem(replaced, "model.Attention.attend", ("0" * 16, replaced["model.Attention.attend"][1]))
+    monkeypatch.setitem(one_call, "model.RMSNorm.forward", ("0" * 16, one_call["model.RMSNorm.forward"][1]))
+    assert cpu.gate.edited(cpu.gate.REPLACED) == [] and cpu.gate.edited(cpu.gate.ONE_CALL) == []
     capsys.readouterr()
     m = served_model(torch.bfloat16)
     assert backend.report(m).one_call_step and warnings_in(capsys.readouterr().err) == ""
@@ -720,8 +721,8 @@ def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsy
     the backend says so in one line and turns the one-call step off; the fork's forward runs around the kernels
     (which the canary checked against PyTorch), and that verdict is remembered with it."""
     monkeypatch.setattr(model.Attention, "forward", qk_norm_forward)
-    monkeypatch.setitem(cpu.ONE_CALL, "model.Attention.forward",
-                        (cpu.fingerprint(qk_norm_forward), cpu.source_hash(qk_norm_forward)))
+    monkeypatch.setitem(cpu.gate.ONE_CALL, "model.Attention.forward",
+                        (fingerprints.fingerprint(qk_norm_forward), fingerprints.source_hash(qk_norm_forward)))
     capsys.readouterr()
     for _ in range(2):  # checked, then remembered
         torch.manual_seed(0)

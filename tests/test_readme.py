@@ -23,8 +23,8 @@ def test_readme_flags_exist():
 
 
 LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "backend",
-           "loading", "decoding", "prompts", "chat", "cpu", "cpu.fingerprints", "cpu.kernels", "cpu.modules",
-           "threads", "gpu")
+           "loading", "decoding", "prompts", "chat", "cpu", "cpu.gate", "cpu.verdicts", "cpu.canary", "cpu.serving",
+           "cpu.fingerprints", "cpu.kernels", "cpu.modules", "threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 
 

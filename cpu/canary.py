@@ -1,0 +1,96 @@
+"""The canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three ways: by model.py in
+PyTorch before the backend serves; by model.py's forward around the backend's products and attention; and by the
+backend's step (a Llama-family step is one C++ call that re-implements model.py's forward around them). The last two
+must give the same logits and cache entries bit for bit in bf16, where the one-call step rounds as eager PyTorch does
+(within ONE_CALL_FP32 in float32, TOLERANCE where products round their inputs): that is where a fork's change to
+model.py's math shows. The backend against PyTorch must agree within TOLERANCE: its products and attention sum in
+another order than PyTorch's kernels (as any other BLAS would)."""
+import time
+
+import torch
+
+import model
+from checkpoint import release_file_pages
+from cpu.modules import OneCallStep
+from cpu.serving import restore, serve
+
+# The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS (what was measured
+# beside it: docs/how-it-works.md).
+TOLERANCE = 0.05
+# The canary's tokens: the first ones, whose embedding rows share a few pages (a random one each mapped up to a
+# 2 MiB folio of the file: 37 MB for 24 tokens).
+TOKENS = 64
+ONE_CALL_FP32 = 1e-5  # the one-call step against model.py's forward, float32: largest |difference| / largest |logit|
+
+
+def caches(transformer):
+    return [t for layer in transformer.layers for t in (layer.attention.kv_cache.k_cache,
+                                                        layer.attention.kv_cache.v_cache)]
+
+
+def canary(transformer, run, state):
+    """From the cache `state`: a decode (2 rows at positions 12 and 7), then a verify (2 x 5 rows), run by
+    run(tokens, positions); their logits and the cache entries they wrote."""
+    for cache, saved in zip(caches(transformer), state):
+        cache.copy_(saved)
+    g = torch.Generator().manual_seed(0)
+    decode = (torch.randint(0, TOKENS, (2, 1), generator=g), torch.tensor([[12], [7]]))
+    verify = (torch.randint(0, TOKENS, (2, 5), generator=g), torch.tensor([[13], [8]]) + torch.arange(5))
+    with torch.no_grad():
+        logits = [run(*decode), run(*verify)]
+    return logits + [t.clone() for t in caches(transformer)]
+
+
+def largest(expected, got) -> float:
+    """The largest |difference| over the canary's logits and cache entries, over max(1, the largest |logit|)."""
+    scale = max(1.0, max(t.float().abs().max().item() for t in expected[:2]))
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(expected, got)) / scale
+
+
+def rms(expected, got) -> float:
+    """The RMS of the logits' difference over the logits' RMS, the larger of decode and verify."""
+    return max(((a.float() - b.float()).pow(2).mean().sqrt() / a.float().pow(2).mean().sqrt()).item()
+               for a, b in zip(expected[:2], got[:2]))
+
+
+def rounds_inputs(module) -> bool:
+    """Products that round their inputs (int4 to 8 bits, packed MX 6-bit codes to bf16)."""
+    return type(module).__name__ == "Int4Linear" or getattr(module, "table", None) is not None
+
+
+def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, bool | str]:
+    """The canary: model.py in PyTorch, then served (model.py's forward around the products and attention, and the
+    one-call step). -> (None where the backend serves, else why not, with the model put back on model.py's modules;
+    True where the one-call step serves, else why it does not: where it differs from the forward around the same
+    kernels, steps run that forward instead)."""
+    transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
+    with torch.no_grad():
+        prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
+        transformer(prompt, torch.arange(12).expand(2, 12), torch.tensor([[11], [11]]))
+    state = [t.clone() for t in caches(transformer)]
+    expected = canary(transformer, transformer, state)
+    release_file_pages(mapped.values())  # serve reads each layer again, and gives its pages back after
+    start = time.perf_counter()
+    originals = serve(transformer, products, mapped)
+    phases["serve"] = time.perf_counter() - start
+    around = canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state)
+    one_call = isinstance(transformer.forward, OneCallStep)
+    if one_call:
+        one_call_logits = canary(transformer, transformer, state)
+        if transformer.tok_embeddings.weight.dtype == torch.bfloat16:
+            off, bound = largest(around, one_call_logits), 0.0  # it rounds where eager PyTorch rounds: the same bits
+        elif any(rounds_inputs(m) for m in products):
+            off, bound = rms(around, one_call_logits), TOLERANCE
+        else:
+            off, bound = largest(around, one_call_logits), ONE_CALL_FP32
+        if off > bound:
+            # Where the step's copy of eager PyTorch's roundings misses (RMSNorm's sum did, without PyTorch's cascade:
+            # the Qwen pair's mxfp4 and mxfp6 files, 0.005-0.018), the kernels around model.py still serve.
+            del transformer.forward
+            one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"
+    off = rms(expected, around)
+    if off > TOLERANCE:
+        restore(transformer, originals)
+        return f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {TOLERANCE})", \
+            False
+    return None, one_call

@@ -1,0 +1,77 @@
+"""Serving a model with the backend's modules, and putting it back on model.py's."""
+import backend
+import model
+from checkpoint import release_file_pages
+from cpu.gate import ONE_CALL, edited, one_call_possible
+from cpu.kernels import STEP_TOKENS
+from cpu.modules import PRODUCTS, Attention, HugePages, OneCallStep, Stack, move_to_huge_pages
+
+# The attributes the backend's modules add: restore drops them.
+RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")
+MAX_VERIFY_TOKENS = STEP_TOKENS  # a step of more tokens a row goes to PyTorch's GEMM, which rounds otherwise
+
+
+def serve(transformer, products, mapped, one_call=True) -> list:
+    """Swap in the backend's modules layer by layer (runtime layouts, stacks, huge pages), give back each layer's
+    file pages, and return what restore needs."""
+    originals = [(m, type(m)) for m in products]
+    for m in products:
+        m.__class__ = PRODUCTS[type(m)]
+    for layer in transformer.layers:
+        originals.append((layer.attention, model.Attention))
+        layer.attention.__class__ = Attention
+    one_call = one_call and one_call_possible(transformer, set(products)) and not edited(ONE_CALL)
+    pages, step_products = HugePages(), []
+    parts = [(f"layers.{i}.", layer) for i, layer in enumerate(transformer.layers)] + [("output.", transformer.output)]
+    for prefix, part in parts:
+        if part is transformer.output:
+            mine = [part] if part in products else []
+        else:  # in the order a step calls them
+            attention, mlp = part.attention, part.feed_forward
+            mine = [m for m in (attention.wq, attention.wk, attention.wv, attention.wo, mlp.w1,
+                                getattr(mlp, "w3", None), mlp.w2) if m is not None and m in products]
+        for m in mine:
+            m.prepare()
+        if one_call and part is not transformer.output:
+            qkv = [part.attention.wq, part.attention.wk, part.attention.wv]
+            gate_up = [part.feed_forward.w1, part.feed_forward.w3]
+            one_call = Stack.stackable(qkv) and Stack.stackable(gate_up)
+            if one_call:  # in the order a step reads them
+                mine = [Stack(qkv, pages), move_to_huge_pages([part.attention.wo], pages)[0],
+                        Stack(gate_up, pages), move_to_huge_pages([part.feed_forward.w2], pages)[0]]
+                step_products += mine
+        if not one_call or part is transformer.output:
+            move_to_huge_pages(mine, pages)
+        names = [n for n in mapped if n.startswith(prefix)]
+        if prefix == "output." and transformer.args.tie_embeddings and "tok_embeddings.weight" in mapped:
+            names.append("tok_embeddings.weight")
+        release_file_pages(mapped[n] for n in names)
+    if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding
+        transformer.tok_embeddings.weight = transformer.output.weight
+    if one_call:
+        transformer.forward = OneCallStep(transformer, step_products + [transformer.output])
+    return originals
+
+
+def served_report(transformer, products) -> backend.Report:
+    """What the backend serves. Its steps are never compiled: a one-call step would only gain Dynamo's entry and
+    guards, and Inductor's kernels around few_rows.cpp's products do not give a verify's rows a decode's bits (a
+    Qwen2.5-Coder mxfp4 target drafted by its 0.5B parted from plain decoding at token 44; eagerly it does not)."""
+    one_call = isinstance(transformer.__dict__.get("forward"), OneCallStep)
+    operands = {m: m.operands() for m in products}
+    return backend.Report(
+        name="cpu", serves=f"few_rows.cpp: {len(products)} products and attention"
+        + (", each step one call" if one_call else ", steps through model.py's forward"),
+        one_call_step=one_call, compile_steps=False, sizes_threads=one_call,  # each output summed by one thread
+        step_bytes=backend.step_bytes(transformer, {m: (*ops[:2], m.bias) for m, ops in operands.items()}),
+        held_bytes=backend.held_bytes(transformer, [t for ops in operands.values() for t in ops]),
+        max_verify_tokens=MAX_VERIFY_TOKENS)
+
+
+def restore(transformer, originals):
+    """Put the model back on model.py's modules (the weights stay where the backend copied them)."""
+    for module, kind in originals:
+        module.__class__ = kind
+        for name in RUNTIME:
+            module.__dict__.pop(name, None)
+    transformer.__dict__.pop("forward", None)

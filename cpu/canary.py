@@ -11,7 +11,7 @@ import torch
 
 import model
 from checkpoint import release_file_pages
-from cpu.modules import OneCallStep
+from cpu.one_call import OneCallStep
 from cpu.serving import restore, serve
 
 # The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS (what was measured

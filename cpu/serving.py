@@ -4,7 +4,9 @@ import model
 from checkpoint import release_file_pages
 from cpu.gate import ONE_CALL, edited, one_call_possible
 from cpu.kernels import STEP_TOKENS
-from cpu.modules import PRODUCTS, Attention, HugePages, OneCallStep, Stack, move_to_huge_pages
+from cpu.huge_pages import HugePages, move_to_huge_pages
+from cpu.modules import PRODUCTS, Attention
+from cpu.one_call import OneCallStep, Stack
 
 # The attributes the backend's modules add: restore drops them.
 RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")

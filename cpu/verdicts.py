@@ -16,7 +16,7 @@ import cpu.kernels as kernels
 
 # The modules whose code the verdict depends on: model.py's math, the quantized forms, the backend itself.
 CODE_MODULES = ("model", "quantize", "mx", "tp", "cpu", "cpu.gate", "cpu.canary", "cpu.serving", "cpu.verdicts",
-                "cpu.modules", "cpu.kernels")
+                "cpu.modules", "cpu.one_call", "cpu.huge_pages", "cpu.kernels")
 
 
 def verdict_key(transformer) -> str:

@@ -72,7 +72,7 @@ def memory_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5, device="cpu") -
     nbytes = size_mb * 2**20
     reads = [(torch.ones(nbytes // 4, dtype=torch.float32, device=device), torch.Tensor.sum)]
     if device == "cpu" and cpu.kernels.load():
-        from cpu.modules import huge_page_memory
+        from cpu.huge_pages import huge_page_memory
         reads.append((huge_page_memory(nbytes).fill_(1), torch.ops.few_rows.stream_read))
     best = float("inf")
     for buffer, read in reads:

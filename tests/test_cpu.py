@@ -22,7 +22,7 @@ import cpu
 import model
 import quantize
 from conftest import ROOT
-from cpu import fingerprints, kernels, modules
+from cpu import fingerprints, kernels, modules, one_call
 from cpu.kernels import product
 from cpu.modules import code_table
 from decoding import Step, Steps, decode_one_token, generate
@@ -47,7 +47,7 @@ def served_model(dtype, family="llama", **overrides):
 def one_call_and_forward(m, tokens, positions):
     """(logits, k and v caches after) of one step run as one few_rows.cpp call, then of the same step from the same
     cache through model.py's forward (around the backend's products and attention)."""
-    assert isinstance(m.forward, modules.OneCallStep)
+    assert isinstance(m.forward, one_call.OneCallStep)
     caches = [layer.attention.kv_cache for layer in m.layers]
     before = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
     results = []
@@ -131,7 +131,7 @@ def test_a_step_runs_in_one_call_only_where_it_can():
     from torch._dynamo.utils import counters
     m = served_model(torch.bfloat16)
     m.setup_caches(40, 64)
-    assert backend.report(m).one_call_step and isinstance(m.forward, modules.OneCallStep)
+    assert backend.report(m).one_call_step and isinstance(m.forward, one_call.OneCallStep)
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     step = Step(decode_one_token, compile=True)
@@ -571,7 +571,7 @@ def test_an_edit_that_keeps_the_math_keeps_the_one_call_step(monkeypatch, capsys
     monkeypatch.setattr(model.Attention, "forward", forward)
     capsys.readouterr()
     m = served_model(torch.bfloat16)
-    assert backend.report(m).one_call_step and isinstance(m.forward, modules.OneCallStep)
+    assert backend.report(m).one_call_step and isinstance(m.forward, one_call.OneCallStep)
     assert warnings_in(capsys.readouterr().err) == ""
 
 

@@ -24,7 +24,7 @@ def test_readme_flags_exist():
 
 LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "backend",
            "loading", "decoding", "prompts", "chat", "cpu", "cpu.gate", "cpu.verdicts", "cpu.canary", "cpu.serving",
-           "cpu.fingerprints", "cpu.kernels", "cpu.modules", "threads", "gpu")
+           "cpu.fingerprints", "cpu.kernels", "cpu.modules", "cpu.one_call", "cpu.huge_pages", "threads", "gpu")
 PROJECT = LIBRARY + ("generate",)
 
 

@@ -30,9 +30,8 @@ MODES = ("int8", "int4", *MX_MODES)
 INT4_GROUPSIZES = (32, 64, 128, 256)
 
 
-# The reference forwards of int4 and MX dequantize a layer this many weight rows at a time: whole weights at once,
-# loading int4 SmolLM2 (whose CPU backend runs the reference once) peaked at 807 MB, its budget 270 (the file and the
-# runtime layouts: tests/test_quantize.py).
+# The reference forwards of int4 and MX dequantize a layer this many weight rows at a time: whole weights at once
+# would hold a float32 copy of the largest layer, past loading's memory budget (tests/test_quantize.py).
 ROWS = 1024
 
 
@@ -130,7 +129,7 @@ class MXLinear(nn.Module):
 
     @staticmethod
     def quantize(w, fmt, rule, rows=4096):
-        # in row chunks: the encoder's temporaries are ~40 bytes an element (15 GB peak for Qwen2.5-1.5B's head)
+        # in row chunks: the encoder's temporaries are ~40 bytes an element (a whole 150k-row head would take GBs)
         chunks = [mx.quantize(w[i:i + rows], mx.FORMATS[fmt], rule) for i in range(0, w.shape[0], rows)]
         return {"weight": mx.pack(torch.cat([c for c, _ in chunks]), mx.FORMATS[fmt].bits),
                 "scales": torch.cat([s for _, s in chunks])}

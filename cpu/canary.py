@@ -17,8 +17,8 @@ from cpu.serving import restore, serve
 # The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS (what was measured
 # beside it: docs/how-it-works.md).
 TOLERANCE = 0.05
-# The canary's tokens: the first ones, whose embedding rows share a few pages (a random one each mapped up to a
-# 2 MiB folio of the file: 37 MB for 24 tokens).
+# The canary's tokens: the first ones, whose embedding rows share a few pages (random ones would each map up to a
+# 2 MiB folio of the file).
 TOKENS = 64
 ONE_CALL_FP32 = 1e-5  # the one-call step against model.py's forward, float32: largest |difference| / largest |logit|
 
@@ -84,8 +84,8 @@ def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, 
         else:
             off, bound = largest(around, one_call_logits), ONE_CALL_FP32
         if off > bound:
-            # Where the step's copy of eager PyTorch's roundings misses (RMSNorm's sum did, without PyTorch's cascade:
-            # the Qwen pair's mxfp4 and mxfp6 files, 0.005-0.018), the kernels around model.py still serve.
+            # Where the step's copy of eager PyTorch's roundings misses (RMSNorm's sum did, without PyTorch's cascade),
+            # the kernels around model.py still serve.
             del transformer.forward
             one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"
     off = rms(expected, around)

@@ -22,8 +22,8 @@ def huge_page_memory(nbytes: int) -> torch.Tensor:
 
 class HugePages:
     """Tensors carved back to back, on cache-line boundaries, out of huge-page regions of 64 MiB (or one tensor's
-    size): a model's layers then share whole 2 MiB pages, where a region per layer left each layer's tail (over
-    40% of an int8 SmolLM2 layer) in 4 KiB pages. A region's unused end is never touched, so it costs no memory."""
+    size): a model's layers then share whole 2 MiB pages, where a region per layer left each layer's tail in
+    4 KiB pages. A region's unused end is never touched, so it costs no memory."""
 
     def __init__(self, chunk=64 << 20):
         self.chunk, self.memory, self.offset = chunk, None, 0

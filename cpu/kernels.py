@@ -196,8 +196,8 @@ def product(x, weight, factors=None, table=None):
     return torch.ops.few_rows.product(rows, weight, factors, table).view(*x.shape[:-1], weight.shape[0])
 
 
-# Without native bf16 (AVX2), the CPU runs a 16-bit GEMM ~5-6x slower than a float32 one, conversions included:
-# 130 x 576 @ 576 x 1728 in bf16 13.1 ms, fp16 11.1, float32 1.9-2.2. A 125-token bf16 SmolLM2 prefill took 1.4 s.
+# Without native bf16 (AVX2), the CPU runs a 16-bit GEMM several times slower than a float32 one, conversions
+# included (docs/performance.md, "Numbers behind the code's choices").
 GEMM_IN_FLOAT32 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

@@ -35,7 +35,7 @@ class Int8Linear(quantize.Int8Linear):
     """int8 codes converted to float in registers, times the per-channel scale once per output."""
 
     def prepare(self):
-        # float32 once at load: converting per call costs a kernel launch per layer per step (~2 ms of a 12 ms step)
+        # float32 once at load: converting per call would cost a kernel launch per layer per step
         self.scale_factors = self.scales.float()
 
     def operands(self):
@@ -64,10 +64,9 @@ def int4_layout(codes, scales_and_zeros):
 
 class Int4Linear(quantize.Int4Linear):
     """int4 codes multiplied as integers: each input row rounded to 8 bits per block of 32 (round_activations), a
-    block of 32 codes times 32 inputs one exact integer dot product, then the group's scale and offset. Over
-    SmolLM2's 211 products (g = 32, 2 threads, Zen 3) 8.6 ms at one row, against 11.3 for converting the codes to
-    float and 12.2 for the int8 layout; aten's int4 kernel took 14.4 ms for a whole 1-row step and a verify at 5
-    rows cost it 2.3 decode steps."""
+    block of 32 codes times 32 inputs one exact integer dot product, then the group's scale and offset: faster than
+    converting the codes to float or to the int8 layout, and than aten's int4 kernel, whose verify costs several
+    decode steps (docs/performance.md, "Numbers behind the code's choices")."""
 
     def prepare(self, rows=1024):
         n, k = self.weight.shape[0], 2 * self.weight.shape[1]
@@ -109,7 +108,7 @@ def expand(codes, scales, fmt, rows=256):
     multiple = INT8_EXACT.get(fmt.name)
     n, k = codes.shape[0], scales.shape[1] * mx.BLOCK
     # Filled in place a few rows at a time: no full float32 copy, and no result chunks interleaved with freed
-    # temporaries on the heap (concatenated chunks left SmolLM2 mxfp6 at +462 MiB after loading, +388 this way).
+    # temporaries on the heap (which keeps the heap from giving them back).
     values = torch.empty(n, k, dtype=torch.int8 if multiple else torch.bfloat16)
     for i in range(0, n, rows):
         v = mx.decode_elements(mx.unpack(codes[i:i + rows], fmt.bits), fmt)
@@ -119,13 +118,12 @@ def expand(codes, scales, fmt, rows=256):
 
 class MXLinear(quantize.MXLinear):
     """OCP MX. On a CPU with AVX512_VBMI and AVX512_BF16, few_rows.cpp reads 6-bit codes (E2M3, E3M2) as the file
-    packs them, 6.25 bits per weight with the scales: SmolLM2's mxfp6 products 4.37 ms against 4.95-5.01 with the
-    codes expanded to int8 (Zen 4, 1 row). Elsewhere, and for the other formats, `prepare` expands the codes once:
+    packs them, 6.25 bits per weight with the scales, faster than the codes expanded to int8. Elsewhere, and for the
+    other formats, `prepare` expands the codes once:
     E2M3, E2M1 and INT8 to exact int8 multiples (value * 8, * 2, * 64), E3M2 and E4M3 to bf16 (exact), with one
     float32 factor per block, which few_rows.cpp multiplies in; a step then reads 8 (or 16) bits per weight plus 1
     for the factors. (Unpacking in plain vector code did not pay: FP4 expanded in registers by a 16-entry byte
-    shuffle, over SmolLM2's products on 2 AVX2 cores, 12.3 / 20.3 ms at 1 / 5 rows against 10.6 / 17.0 for the
-    int8 expansion.)"""
+    shuffle was slower than the int8 expansion.)"""
 
     def prepare(self):
         self.values = self.block_factors = self.table = None
@@ -146,7 +144,7 @@ class MXLinear(quantize.MXLinear):
             self.values, self.block_factors = weight, factors
 
     def forward(self, x):
-        if self.table is not None:  # packed codes, 16 rows a call (a 130-token SmolLM2 prompt: 0.41 s; int8 0.38)
+        if self.table is not None:  # packed codes, 16 rows a call (a prompt's rows: about as fast as int8's GEMM)
             rows = x.reshape(-1, x.shape[-1]).split(16)
             parts = [product(part, self.weight, self.scales, self.table) for part in rows]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], -1)

@@ -1,6 +1,7 @@
 """The decode loop: prefill, the decode and verify steps (torch.compile'd or not), speculative rounds, and the
 stats generate.py prints. A model comes from loading.load_model; what its backend did is in backend.report(model).
 """
+import dataclasses
 import functools
 import time
 
@@ -62,15 +63,40 @@ def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extr
     return min(-(-needed // CACHE_ROUNDING) * CACHE_ROUNDING, args.max_seq_len)
 
 
-def spare_positions(drafter, speculate_k) -> int:
-    """Cache slots a speculative run may write past a row's last token (verify writes K+1 ahead)."""
-    return 2 * ((AdaptiveK.k_max if speculate_k == "auto" else speculate_k) + 1) if drafter else 0
+def most_drafts(speculate_k, verify_limit=None) -> int:
+    """The most drafts a round verifies: speculate_k, or for "auto" the most speculative.AdaptiveK tries, lowered to
+    what the backend verifies exactly (verify_limit tokens a row, backend.Report.max_verify_tokens; None: any). A
+    speculate_k past that limit is an error."""
+    if speculate_k == "auto":
+        return AdaptiveK.k_max if verify_limit is None else min(AdaptiveK.k_max, verify_limit - 1)
+    if verify_limit is not None and speculate_k + 1 > verify_limit:
+        raise InputError(f"--speculate_k {speculate_k}: at most {verify_limit - 1} (or auto) with this backend, whose "
+                         f"verify computes at most {verify_limit} tokens a row exactly")
+    return speculate_k
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A request checked once, before anything runs: the most drafts a round verifies (0 without a drafter) and the
+    KV cache length it needs."""
+    k_max: int
+    cache_len: int
+
+
+def plan(args: ModelArgs, longest_prompt: int, max_new_tokens: int, speculate_k=None, verify_limit=None) -> Plan:
+    """The plan of a request: speculate_k None without a drafter. A verify writes K + 1 tokens past a row's newest,
+    so a speculative request keeps 2 (K + 1) spare cache positions (K at its largest for "auto", whatever the
+    backend: the cache a request gets does not depend on which backend serves it)."""
+    if speculate_k is None:
+        return Plan(0, cache_length(longest_prompt, max_new_tokens, args))
+    spare = 2 * ((AdaptiveK.k_max if speculate_k == "auto" else speculate_k) + 1)
+    return Plan(most_drafts(speculate_k, verify_limit), cache_length(longest_prompt, max_new_tokens, args, spare))
 
 
 def presize_caches(model, drafter, batch_size, longest_prompt, max_new_tokens, speculate_k):
     """Allocate the caches a request needs before compiling, so the timed run reuses the compiled shapes."""
-    length = cache_length(longest_prompt, max_new_tokens, model.args, spare_positions(drafter, speculate_k))
-    model.setup_caches(batch_size, length)
+    request = plan(model.args, longest_prompt, max_new_tokens, speculate_k if drafter else None)
+    model.setup_caches(batch_size, request.cache_len)
 
 
 def sizes_threads(model, drafter) -> bool:
@@ -87,14 +113,6 @@ class NoSizer:  # the loop runs on the threads it was given
         pass
 
 
-def check_speculate_k(model, k: int):
-    """A verify of K + 1 tokens a row that the model's backend computes as a decode would."""
-    limit = report(model).max_verify_tokens
-    if limit is not None and k + 1 > limit:
-        raise InputError(f"--speculate_k {k}: the {report(model).name} backend verifies at most {limit} tokens a "
-                         f"row exactly; use --speculate_k {limit - 1} or less")
-
-
 def keeps_thread_count(fn):
     """The caller gets its thread count back from a loop whose ThreadSizer changed it, also after an error."""
     @functools.wraps(fn)
@@ -108,6 +126,75 @@ def keeps_thread_count(fn):
     return wrapper
 
 
+class Acceptance:
+    """A speculative run's tallies: rounds by drafts accepted, drafts proposed, judged and accepted, and the time
+    drafting and verifying took (the stats generate.py prints)."""
+
+    def __init__(self, k_max):
+        self.counts, self.ks = [0] * (k_max + 1), []
+        self.draft_s = self.verify_s = 0.0
+        self.drafted = self.tried = self.accepted = 0
+
+    def add(self, k, drafts, n, done, timing):
+        """A round of k drafts (of which the longest row could use `drafts`) that accepted n[b] in each row not done;
+        -> (accepted, judged) in the rows not done."""
+        self.draft_s, self.verify_s, self.drafted = self.draft_s + timing[0], self.verify_s + timing[1], \
+            self.drafted + drafts
+        accepted = tried = 0
+        for m, finished in zip(n, done):
+            if not finished:
+                if drafts == k:  # the histogram is over rounds of K drafts
+                    self.counts[m] += 1
+                m = min(m, drafts)  # accepted padding is cut off: not counted
+                accepted, tried = accepted + m, tried + min(m + 1, drafts)
+        self.tried, self.accepted = self.tried + tried, self.accepted + accepted
+        self.ks.append(k)
+        return accepted, tried
+
+    def stats(self, rounds, k_max) -> dict:
+        tokens_in_full_rounds = sum((i + 1) * c for i, c in enumerate(self.counts))
+        return dict(accept_counts=self.counts, speculate_k=max(set(self.ks), key=self.ks.count) if self.ks else k_max,
+                    mean_accepted=tokens_in_full_rounds / max(sum(self.counts), 1),
+                    alpha=self.accepted / max(self.tried, 1),
+                    draft_cost_ratio=(self.draft_s / max(self.drafted, 1)) / (self.verify_s / rounds) if rounds else 0.0,
+                    verify_s_per_round=self.verify_s / max(rounds, 1))
+
+
+def right_padded(prompts, device):
+    """Prompts of ragged lengths as [B, T] tokens and positions, each row padded at the positions it will decode
+    into next (so padding is overwritten before it is seen), and their lengths."""
+    if min(len(p) for p in prompts) == 0:
+        raise InputError("empty prompt: give at least one token")
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p)
+    return tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens).contiguous(), lengths
+
+
+def decode_chunk(model, steps, token, pos, active, n, sampling):
+    """n plain decode steps, one host sync: -> (the last tokens, each row's n new tokens)."""
+    produced = []
+    for _ in range(n):
+        token = steps.decode(model, token, pos, *sampling)
+        pos += active
+        produced.append(token)
+    return token, torch.stack(produced, 1).tolist()
+
+
+def extend_rows(outputs, histories, new, done, eos_ids, max_new_tokens):
+    """Append each running row's new tokens up to its first EOS (kept) or its max_new_tokens, where it is done."""
+    for b, tokens in enumerate(new):
+        if done[b]:
+            continue
+        histories[b] += tokens
+        for t in tokens:
+            outputs[b].append(t)
+            if t in eos_ids or len(outputs[b]) == max_new_tokens:
+                done[b] = True
+                break
+
+
 @keeps_thread_count
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
@@ -116,114 +203,60 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
 
     cached: the first `cached` tokens of every prompt are in the model's KV cache (and a model drafter's) from the
     previous call on the same rows, a chat's earlier turns: prefill feeds the rest (stats["prefilled"] says how many
-    positions from where).
-
-    Rows are right-padded; each row runs at its own positions, so padding is never attended and is
-    overwritten as the row decodes. A row stops at its first EOS (kept in its output) or at max_new_tokens; the
-    batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
-    With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or
-    "auto": chosen online by speculative.AdaptiveK); a verify longer than the backend computes exactly
-    (backend.Report.max_verify_tokens) is refused. Where the results do not depend on the thread count
-    (sizes_threads), the loop's threads follow the cores other processes leave free (ThreadSizer); stats["threads"]
-    is how many it ended with. Plain decoding looks at its tokens on the host every `sync_every` steps (default: 8 on CUDA, where
-    each look waits for the GPU; 1 elsewhere): a row that ends within those steps has decoded past its end, and
-    those tokens are dropped.
-    """
-    limit = report(model).max_verify_tokens
-    adaptive = AdaptiveK(k_max=limit - 1 if limit else None) if speculate_k == "auto" else None
+    positions from where). Each row runs at its own positions and stops at its first EOS (kept in its output) or at
+    max_new_tokens; the batch stops when every row has. `on_token(tokens)` gets each step's host token ids for row 0.
+    With a `drafter` (speculative.py), each step is a speculative round of speculate_k drafts (an int, or "auto":
+    chosen online by speculative.AdaptiveK; the request's plan refuses a verify the backend does not compute
+    exactly). Where the results do not depend on the thread count (sizes_threads), the loop's threads follow the
+    cores other processes leave free (ThreadSizer); stats["threads"] is how many it ended with. Plain decoding looks
+    at its tokens on the host every `sync_every` steps (default: 8 on CUDA, where each look waits for the GPU; 1
+    elsewhere): tokens a row decodes past its end are dropped."""
     device = model.tok_embeddings.weight.device
-    sync_every = sync_every or (8 if device.type == "cuda" else 1)
-    B = len(prompts)
-    if min(len(p) for p in prompts) == 0:
-        raise InputError("empty prompt: give at least one token")
-    if not 0 <= cached < min(len(p) for p in prompts):
+    sync_every, sampling = sync_every or (8 if device.type == "cuda" else 1), (temperature, top_k, top_p)
+    tokens, input_pos, lengths = right_padded(prompts, device)
+    if not 0 <= cached < min(lengths.tolist()):
         raise ValueError(f"cached={cached}: prefill needs at least the newest token of every prompt")
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    T = int(lengths.max())
-    k_max = adaptive.k_max if adaptive else speculate_k
-    if drafter:
-        check_speculate_k(model, k_max)
-    spare = spare_positions(drafter, speculate_k)
-    cache_len = max(model.max_seq_len, cache_length(T, max_new_tokens, model.args, spare))
-    model.setup_caches(B, cache_len)
-    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = torch.tensor(p)
-    # Padding sits at the positions the row will decode into next, so it is overwritten before it is seen.
-    input_pos = torch.arange(T, device=device).expand(B, T).contiguous()
+    request = plan(model.args, tokens.shape[1], max_new_tokens, speculate_k if drafter else None,
+                   report(model).max_verify_tokens)
+    adaptive = AdaptiveK(k_max=request.k_max) if drafter and speculate_k == "auto" else None
+    cache_len = max(model.max_seq_len, request.cache_len)
+    model.setup_caches(len(prompts), cache_len)
     t0 = time.perf_counter()
-    token = steps.prefill(model, tokens[:, cached:], input_pos[:, cached:], (lengths - 1 - cached)[:, None],
-                          temperature, top_k, top_p)
+    token = steps.prefill(model, tokens[:, cached:], input_pos[:, cached:], (lengths - 1 - cached)[:, None], *sampling)
     if drafter:
         drafter.prefill(tokens, input_pos, cache_len, cached)
     outputs = [[t] for t in token.tolist()]
-    stats = {"prefill_s": time.perf_counter() - t0, "prefilled": (cached, T)}
+    stats = {"prefill_s": time.perf_counter() - t0, "prefilled": (cached, tokens.shape[1])}
     done = [t in eos_ids or max_new_tokens == 1 for t in token.tolist()]
     if on_token:
         on_token(outputs[0][:])
     pos = lengths.clone()  # position of each row's newest token, not yet in the cache
     histories = [list(p) + o for p, o in zip(prompts, outputs)]
-    rounds, accept_counts, ks = 0, [0] * (k_max + 1), []
-    draft_s = verify_s = 0.0
-    drafted = tried = accepted = 0  # draft tokens proposed, judged, accepted
+    rounds, tally = 0, Acceptance(request.k_max)
     sizer = ThreadSizer() if sizes_threads(model, drafter) else NoSizer()
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
-        if drafter is None:
-            # no row may pass its max_new_tokens (nor the cache): at most the fewest tokens a running row may add
-            chunk = min(sync_every, min(max_new_tokens - len(o) for o, d in zip(outputs, done) if not d))
-            produced = []
-            for _ in range(chunk):
-                token = steps.decode(model, token, pos, temperature, top_k, top_p)
-                pos += active
-                produced.append(token)
-            new = torch.stack(produced, 1).tolist()  # one sync for the chunk
+        room = [max_new_tokens - len(o) for o, d in zip(outputs, done) if not d]
+        if drafter is None:  # no row may pass its max_new_tokens (nor the cache)
+            token, new = decode_chunk(model, steps, token, pos, active, min(sync_every, min(room)), sampling)
+            rounds += len(new[0])
         else:
-            # Under tensor parallelism every rank must verify the same K; timings differ between ranks.
-            k = tp.from_rank0(adaptive.k) if adaptive else speculate_k
-            # A request's last round drafts only what its longest row can still emit (K = 4, 128 tokens: 3 of ~105
-            # draft steps were drafting tokens that would be cut off).
-            drafts = min(k, max(max_new_tokens - len(o) for o, d in zip(outputs, done) if not d) - 1)
+            k = tp.from_rank0(adaptive.k) if adaptive else speculate_k  # every rank verifies the same K
+            drafts = min(k, max(room) - 1)  # a last round drafts only what its longest row can still emit
             draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, k, steps.verify,
-                                                              temperature, top_k, top_p, drafts)
-            draft_s, verify_s, drafted = draft_s + timing[0], verify_s + timing[1], drafted + drafts
-            n_list = n.tolist()
-            new = [d[:m] + [t] for d, m, t in zip(draft.tolist(), n_list, next_token.tolist())]
-            round_accepted = round_tried = 0
-            for b in range(B):
-                if not done[b]:
-                    if drafts == k:  # the histogram is over rounds of K drafts
-                        accept_counts[n_list[b]] += 1
-                    m = min(n_list[b], drafts)  # accepted padding is cut off: not counted
-                    round_accepted, round_tried = round_accepted + m, round_tried + min(m + 1, drafts)
-            tried, accepted = tried + round_tried, accepted + round_accepted
-            ks.append(k)
+                                                              *sampling, drafts)
+            new = [d[:m] + [t] for d, m, t in zip(draft.tolist(), n.tolist(), next_token.tolist())]
+            accepted, tried = tally.add(k, drafts, n.tolist(), done, timing)
             if adaptive and drafts == k:
-                adaptive.update(round_accepted, round_tried, timing[0] / k, timing[1])
+                adaptive.update(accepted, tried, timing[0] / k, timing[1])
             pos += (n + 1) * active  # a finished row stays where it is
-        rounds += chunk if drafter is None else 1
+            rounds += 1
         shown = len(outputs[0])
-        for b in range(B):
-            if done[b]:
-                continue
-            histories[b] += new[b]
-            for t in new[b]:
-                outputs[b].append(t)
-                if t in eos_ids or len(outputs[b]) == max_new_tokens:
-                    done[b] = True
-                    break
+        extend_rows(outputs, histories, new, done, eos_ids, max_new_tokens)
         if drafter is not None:  # (plain decoding feeds its last step's tokens: a finished row's are not read)
             token = torch.tensor([h[-1] for h in histories], device=device)
         if on_token and len(outputs[0]) > shown:
             on_token(outputs[0][shown:])
         sizer()
     stats.update(total_s=time.perf_counter() - t0, decode_steps=rounds, threads=sizer.threads)
-    if drafter:
-        counted = sum(accept_counts)
-        tokens_in_full_rounds = sum((i + 1) * c for i, c in enumerate(accept_counts))
-        stats.update(accept_counts=accept_counts, speculate_k=max(set(ks), key=ks.count) if ks else k_max,
-                     mean_accepted=tokens_in_full_rounds / max(counted, 1), alpha=accepted / max(tried, 1),
-                     draft_cost_ratio=(draft_s / max(drafted, 1)) / (verify_s / rounds) if rounds else 0.0,
-                     verify_s_per_round=verify_s / max(rounds, 1))
-    return outputs, stats
-
+    return outputs, stats | (tally.stats(rounds, request.k_max) if drafter else {})

@@ -23,7 +23,7 @@ import tp
 from backend import report
 from chat import Chat, ChatTemplate
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint
-from decoding import Steps, cache_length, generate, presize_caches, spare_positions
+from decoding import Steps, generate, plan, presize_caches
 from loading import BACKENDS, DTYPES, check_device, draft_mode, load_model, make_drafter, verify_limit
 from model import ModelArgs
 from tokenizer import TextStream, Tokenizer
@@ -112,10 +112,6 @@ def check_options(opts):
     if not 0 <= opts.seed < 2**64:
         raise InputError(f"--seed {opts.seed}: must be between 0 and 2**64 - 1")
     check_device(opts.device)
-    limit = verify_limit(opts.device, opts.backend)
-    if opts.speculate_k != "auto" and limit is not None and opts.speculate_k + 1 > limit:
-        raise InputError(f"--speculate_k {opts.speculate_k}: at most {limit - 1} (or auto) with --backend "
-                         f"{opts.backend} on {opts.device}, whose verify computes at most {limit} tokens a row exactly")
     if torch.device(opts.device).type == "cuda" and opts.nproc_per_node > torch.cuda.device_count():
         raise InputError(f"--nproc_per_node {opts.nproc_per_node}: this host has {torch.cuda.device_count()} GPUs; "
                          "launch at most one rank per GPU")
@@ -150,16 +146,18 @@ def check_request(opts):
     tp.check_split(args, int(os.environ.get("WORLD_SIZE", opts.nproc_per_node)))  # the draft is replicated
     tokenizer = Tokenizer(ckpt_dir)
     draft_args = check_draft(opts, tokenizer, args)
-    spare = spare_positions(opts.draft_checkpoint or opts.draft == "ngram", opts.speculate_k)
+    speculate_k = opts.speculate_k if opts.draft_checkpoint or opts.draft == "ngram" else None
+    limit = verify_limit(opts.device, opts.backend)
 
-    def check_context(tokens):
+    def check_context(tokens):  # the request's plan, for the target and the draft: K, the cache
         for model_args in (args, draft_args) if draft_args else (args,):
-            cache_length(len(tokens), opts.max_new_tokens, model_args, spare)
+            plan(model_args, len(tokens), opts.max_new_tokens, speculate_k, limit)
 
     chat = None
     if opts.chat:
         chat = Chat(ChatTemplate(ckpt_dir), tokenizer)  # renders once: a template that fails to is one line here
         if opts.prompt is None:
+            check_context([tokenizer.bos_id or 0])  # the turns to come hold at least a token
             return ckpt_dir, tokenizer, None, chat, check_context
         prompt, _ = chat.ask(opts.prompt)
         if not prompt:

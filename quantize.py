@@ -64,6 +64,25 @@ class Int8Linear(nn.Module):
         q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
         return {"weight": q, "scales": scales}
 
+    # What quantize.py and tp.py ask of every format (FORMATS), so that adding one touches its class only.
+    @staticmethod
+    def block(mode, groupsize):
+        return 1
+
+    @classmethod
+    def empty(cls, mode, in_features, out_features, bias, groupsize):
+        return cls(in_features, out_features, bias)
+
+    @classmethod
+    def quantized(cls, mode, w, groupsize, rule):
+        return cls.quantize(w)
+
+    def keep_outputs(self, index):  # a scale belongs to its output row
+        self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
+
+    def keep_inputs(self, start, stop):  # a scale covers every input of its row
+        self.weight = self.weight[:, start:stop].contiguous()
+
 
 def round_activations(x):
     """The inputs an int4 product multiplies: per block of 32 along the last dimension, q * d with d = max|x| / 127
@@ -107,6 +126,30 @@ class Int4Linear(nn.Module):
         return {"weight": mx.pack(q.to(torch.uint8), 4),
                 "scales_and_zeros": torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()}
 
+    @staticmethod
+    def block(mode, groupsize):
+        return groupsize
+
+    @classmethod
+    def empty(cls, mode, in_features, out_features, bias, groupsize):
+        return cls(in_features, out_features, bias, groupsize)
+
+    @classmethod
+    def quantized(cls, mode, w, groupsize, rule):
+        return cls.quantize(w, groupsize)
+
+    def keep_outputs(self, index):
+        self.weight = self.weight[index].contiguous()
+        self.scales_and_zeros = self.scales_and_zeros[:, index].contiguous()
+        if self.weight.shape[0] % 16:
+            raise InputError(f"{self.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple "
+                             "of 16")
+
+    def keep_inputs(self, start, stop):
+        whole_blocks(start, stop, self.groupsize, "int4 group")
+        self.weight = self.weight[:, start // 2:stop // 2].contiguous()
+        self.scales_and_zeros = self.scales_and_zeros[start // self.groupsize:stop // self.groupsize].contiguous()
+
 
 class MXLinear(nn.Module):
     """OCP MX: element codes densely packed along in_features (FP6 4 codes in 3 bytes, FP4 2 per byte), one E8M0
@@ -134,6 +177,36 @@ class MXLinear(nn.Module):
         return {"weight": mx.pack(torch.cat([c for c, _ in chunks]), mx.FORMATS[fmt].bits),
                 "scales": torch.cat([s for _, s in chunks])}
 
+    @staticmethod
+    def block(mode, groupsize):
+        return mx.BLOCK
+
+    @classmethod
+    def empty(cls, mode, in_features, out_features, bias, groupsize):
+        return cls(in_features, out_features, bias, MX_MODES[mode])
+
+    @classmethod
+    def quantized(cls, mode, w, groupsize, rule):
+        return cls.quantize(w, MX_MODES[mode], rule)
+
+    keep_outputs = Int8Linear.keep_outputs  # a scale belongs to its output row
+
+    def keep_inputs(self, start, stop):
+        whole_blocks(start, stop, mx.BLOCK, "MX block")
+        bits = self.fmt.bits  # 32 codes fill whole bytes in every format
+        self.weight = self.weight[:, start * bits // 8:stop * bits // 8].contiguous()
+        self.scales = self.scales[:, start // mx.BLOCK:stop // mx.BLOCK].contiguous()
+
+
+def whole_blocks(start, stop, block, what):
+    """Inputs [start, stop) of a layer for one tensor-parallel rank must not split a block that shares a scale."""
+    if start % block or stop % block:
+        raise InputError(f"in_features [{start}, {stop}) would split a {block}-element {what}")
+
+
+# Every weight format, by the mode that names it: what it quantizes to, how it slices, its empty module.
+FORMATS = {"int8": Int8Linear, "int4": Int4Linear, **dict.fromkeys(MX_MODES, MXLinear)}
+
 
 def check_mode(mode, groupsize):
     if mode not in MODES:
@@ -158,7 +231,7 @@ def file_mode(metadata: dict, path) -> tuple[str | None, int]:
 
 
 def block_of(mode, groupsize):
-    return groupsize if mode == "int4" else mx.BLOCK if mode in MX_MODES else 1
+    return FORMATS[mode].block(mode, groupsize)
 
 
 def quantized_linear(mode, linear: nn.Linear, groupsize=128, name="") -> nn.Module:
@@ -168,11 +241,7 @@ def quantized_linear(mode, linear: nn.Linear, groupsize=128, name="") -> nn.Modu
     if k % block or (mode == "int4" and n % 16):
         raise InputError(f"{name}: in_features {k} / out_features {n} do not fit {mode} (in_features must be a "
                          f"multiple of {block}{', out_features of 16' if mode == 'int4' else ''}); choose another mode")
-    if mode == "int8":
-        return Int8Linear(k, n, bias)
-    if mode == "int4":
-        return Int4Linear(k, n, bias, groupsize)
-    return MXLinear(k, n, bias, MX_MODES[mode])
+    return FORMATS[mode].empty(mode, k, n, bias, groupsize)
 
 
 def replace_linears(model, mode, groupsize=128):
@@ -186,11 +255,7 @@ def replace_linears(model, mode, groupsize=128):
 
 
 def quantize_tensor(mode, w, groupsize, rule):
-    if mode == "int8":
-        return Int8Linear.quantize(w)
-    if mode == "int4":
-        return Int4Linear.quantize(w, groupsize)
-    return MXLinear.quantize(w, MX_MODES[mode], rule)
+    return FORMATS[mode].quantized(mode, w, groupsize, rule)
 
 
 def quantize_model(model, mode, groupsize=32, rule=None):

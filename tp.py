@@ -21,9 +21,9 @@ are replicated. So a rank holds ~1/N of every weight but the norms.
 Query heads must split evenly. KV heads need not (SmolLM2 has 3): a rank keeps the KV heads its query heads
 read, so a KV head shared by two ranks is held by both.
 
-Each layer type has its slicing here (`select_outputs` / `select_inputs`): int8 scales follow their rows; int4
-groups and MX blocks run along in_features and a row-parallel split must fall on their boundaries (and int4 keeps
-output rows in multiples of 16), else loading stops with an error naming the layer.
+Each weight format slices itself (`keep_outputs` / `keep_inputs` of its class in quantize.py): int8 scales follow
+their rows; int4 groups and MX blocks run along in_features and a row-parallel split must fall on their boundaries
+(and int4 keeps output rows in multiples of 16), else loading stops with an error naming the layer.
 
 Every rank runs the same host loop with the same seed on the same logits (an all-reduce leaves every rank
 the same sum, an all-gather the same logits), so all ranks sample the same tokens without a broadcast.
@@ -54,7 +54,6 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-import mx
 import quantize
 from checkpoint import InputError
 from model import Transformer, no_communication
@@ -230,24 +229,13 @@ def select_bias(layer, index):
         layer.bias = parameter(layer.bias[index])
 
 
-def check_whole_blocks(start, stop, block, what):
-    if start % block or stop % block:
-        raise InputError(f"in_features [{start}, {stop}) would split a {block}-element {what}")
-
-
 def select_outputs(layer, index):
     """Keep the output rows `index` of a layer (column parallel). Row slices of a mapped file stay views of it."""
     if isinstance(layer, nn.Linear):
         layer.weight = parameter(layer.weight[index])
         layer.out_features = layer.weight.shape[0]
-    elif isinstance(layer, (quantize.Int8Linear, quantize.MXLinear)):  # a scale belongs to its output row
-        layer.weight, layer.scales = layer.weight[index].contiguous(), layer.scales[index].contiguous()
-    elif isinstance(layer, quantize.Int4Linear):
-        layer.weight = layer.weight[index].contiguous()
-        layer.scales_and_zeros = layer.scales_and_zeros[:, index].contiguous()
-        if layer.weight.shape[0] % 16:
-            raise InputError(f"{layer.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple "
-                             "of 16")
+    elif isinstance(layer, tuple(quantize.FORMATS.values())):
+        layer.keep_outputs(index)
     else:
         raise InputError(f"a {type(layer).__name__} layer cannot be split by tensor parallelism")
     select_bias(layer, index)
@@ -258,17 +246,8 @@ def select_inputs(layer, start, stop):
     if isinstance(layer, nn.Linear):
         layer.weight = parameter(layer.weight[:, start:stop])
         layer.in_features = layer.weight.shape[1]
-    elif isinstance(layer, quantize.Int8Linear):  # a scale covers every input of its row
-        layer.weight = layer.weight[:, start:stop].contiguous()
-    elif isinstance(layer, quantize.Int4Linear):
-        check_whole_blocks(start, stop, layer.groupsize, "int4 group")
-        layer.weight = layer.weight[:, start // 2:stop // 2].contiguous()
-        layer.scales_and_zeros = layer.scales_and_zeros[start // layer.groupsize:stop // layer.groupsize].contiguous()
-    elif isinstance(layer, quantize.MXLinear):
-        check_whole_blocks(start, stop, mx.BLOCK, "MX block")
-        bits = layer.fmt.bits  # 32 codes fill whole bytes in every format
-        layer.weight = layer.weight[:, start * bits // 8:stop * bits // 8].contiguous()
-        layer.scales = layer.scales[:, start // mx.BLOCK:stop // mx.BLOCK].contiguous()
+    elif isinstance(layer, tuple(quantize.FORMATS.values())):
+        layer.keep_inputs(start, stop)
     else:
         raise InputError(f"a {type(layer).__name__} layer cannot be split by tensor parallelism")
 

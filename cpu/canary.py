@@ -10,6 +10,7 @@ import time
 import torch
 
 import model
+import quantize
 from checkpoint import release_file_pages
 from cpu.one_call import OneCallStep
 from cpu.serving import restore, serve
@@ -55,7 +56,7 @@ def rms(expected, got) -> float:
 
 def rounds_inputs(module) -> bool:
     """Products that round their inputs (int4 to 8 bits, packed MX 6-bit codes to bf16)."""
-    return type(module).__name__ == "Int4Linear" or getattr(module, "table", None) is not None
+    return isinstance(module, quantize.Int4Linear) or getattr(module, "table", None) is not None
 
 
 def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, bool | str]:

@@ -138,8 +138,8 @@ class Acceptance:
     def add(self, k, drafts, n, done, timing):
         """A round of k drafts (of which the longest row could use `drafts`) that accepted n[b] in each row not done;
         -> (accepted, judged) in the rows not done."""
-        self.draft_s, self.verify_s, self.drafted = self.draft_s + timing[0], self.verify_s + timing[1], \
-            self.drafted + drafts
+        self.draft_s, self.verify_s = self.draft_s + timing[0], self.verify_s + timing[1]
+        self.drafted += drafts
         accepted = tried = 0
         for m, finished in zip(n, done):
             if not finished:

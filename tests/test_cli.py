@@ -26,6 +26,7 @@ import export_qaic  # noqa: E402
 
 def one_line_error(capsys, main, argv) -> str:
     """Run a CLI's main in-process; it must exit 1 with one line `error: ...`, which is returned."""
+    capsys.readouterr()  # what a fixture printed as it was built (run alone, a test builds its own) is not the CLI's
     with pytest.raises(SystemExit) as exit:
         main(argv)
     message = str(exit.value.code) if isinstance(exit.value.code, str) else capsys.readouterr().err.strip()

@@ -16,9 +16,9 @@
 // once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order (bf16,
 // and int8 against bf16 inputs: a pair of elements a lane at a time, see Pairs), then in a fixed tree (sum_lanes).
 // GCC/Clang vector extensions, compiled with -march=native; the conversions, the pairs and the int4 integer dot
-// products use AVX-512 (BF16, VNNI) or AVX2 intrinsics where present, plain code elsewhere with the same lanes, sums
-// and trees (built with -DFEW_ROWS_PORTABLE for this CPU, the plain code is the reference the tests compare bit for
-// bit).
+// products use AVX-512 (BF16, VNNI) or AVX2 intrinsics where present. Each routine with intrinsics has a scalar
+// reference beside it (<routine>_reference: the same lanes, sums and trees in plain C++), which runs elsewhere and in
+// the build with -DFEW_ROWS_PORTABLE that the tests compare with the build for this CPU bit for bit.
 // What the design choices measured: docs/performance.md, "few_rows.cpp's design".
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

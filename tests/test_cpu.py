@@ -21,7 +21,7 @@ import backend
 import cpu
 import model
 import quantize
-from conftest import ROOT
+from conftest import ROOT, read_line
 from cpu import fingerprints, kernels, modules, one_call
 from cpu.kernels import product
 from cpu.modules import code_table
@@ -371,7 +371,7 @@ def test_a_killed_build_blocks_nothing_and_a_waiting_one_says_for_whom(tmp_path)
         time.sleep(0.2)
     time.sleep(2)  # the compiler is running
     os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
+    killed.wait(timeout=60)
     assert list(root.glob("*.build-*")) and not list(root.glob("*.so")), "killed before the build started or after"
     lock = next(root.glob("*.lock"))
     with open(lock, "a+") as held:  # another process's build in progress: wait, saying for whom
@@ -382,9 +382,10 @@ def test_a_killed_build_blocks_nothing_and_a_waiting_one_says_for_whom(tmp_path)
         out = tmp_path / "generic.pt"
         second = subprocess.Popen([sys.executable, "-c", GENERIC_BUILD, str(ROOT), str(out)], env=env,
                                   stderr=subprocess.PIPE, text=True)
-        time.sleep(3)
+        waiting = read_line(second.stderr, timeout=300)  # however long a busy machine takes to import torch
         fcntl.flock(held, fcntl.LOCK_UN)
-    _, stderr = second.communicate(timeout=600)
+    _, rest = second.communicate(timeout=600)
+    stderr = waiting + rest
     assert second.returncode == 0, stderr
     lines = stderr.splitlines()
     assert lines[0].startswith(f"waiting for process 4242's build of few_rows.cpp (lock {lock}"), stderr
@@ -418,11 +419,11 @@ def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     root = str(ROOT)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
     first = subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], capture_output=True, text=True,
-                           env=env, check=True)
+                           env=env, check=True, timeout=600)
     assert re.fullmatch(r"building few_rows.cpp for this CPU \(-march=haswell; once per source, flags, torch and "
                         r"CPU\)\.\.\. done in \d+ s: .*\.so\n", first.stderr), first.stderr
     again = subprocess.run([sys.executable, "-c", AVX2_BUILD, root, str(out)], capture_output=True, text=True,
-                           env=env, check=True)
+                           env=env, check=True, timeout=600)
     assert again.stderr == ""
     avx2, native = torch.load(out), few_rows_outputs()
     in_pairs = torch.ops.few_rows.int8_in_pairs()
@@ -448,13 +449,13 @@ def step_outputs():
 
 def test_the_portable_build_gives_the_native_build_bits(tmp_path):
     """few_rows.cpp built for this CPU without intrinsics (-DFEW_ROWS_PORTABLE: its plain code, the same lanes, sums
-    and trees) gives the products, attention and one-call steps of the build for this CPU bit for bit: every SIMD
-    routine against its plain reference."""
+    and trees) gives the products, attention and one-call steps of the build for this CPU bit for bit: every routine
+    written with intrinsics against the scalar reference beside it (few_rows/*.h, named <routine>_reference)."""
     assert kernels.load()
     out = tmp_path / "portable.pt"
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
     subprocess.run([sys.executable, "-c", PORTABLE_BUILD, str(ROOT), str(out)], capture_output=True, text=True,
-                   env=env, check=True)
+                   env=env, check=True, timeout=600)
     portable, native = torch.load(out), {**few_rows_outputs(), **step_outputs()}
     different = [case for case, y in native.items() if not torch.equal(portable[case], y)]
     assert not different, different
@@ -661,7 +662,7 @@ def test_every_cpython_computes_the_same_fingerprints():
     expected = {name: (cpu.gate.REPLACED | cpu.gate.ONE_CALL)[name][0] for name in names}
     for python in found:
         out = subprocess.run([python, "-I", "-c", script, json.dumps(names)], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout
+                             check=True, timeout=300).stdout
         assert json.loads(out) == expected, python
 
 

@@ -60,6 +60,15 @@ constexpr auto kPairInput = at::kBFloat16;
 typedef float PairInput;
 constexpr auto kPairInput = at::kFloat;
 #endif
+// The scalar reference (and AVX2's code): each input rounded to bf16, nearest, ties to even, kept as a float.
+inline void pair_inputs_reference(const float* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 2 * L)
+    for (int j = 0; j < L; j++) {
+      out[i + j] = bf16_value(round_to_bf16(x[i + 2 * j + 1]));
+      out[i + L + j] = bf16_value(round_to_bf16(x[i + 2 * j]));
+    }
+}
+
 at::Tensor pair_inputs(const float* x, int64_t M, int64_t K) {
   at::Tensor buffer = at::empty({M * K}, at::TensorOptions().dtype(kPairInput));
   PairInput* out = reinterpret_cast<PairInput*>(buffer.data_ptr());
@@ -67,13 +76,17 @@ at::Tensor pair_inputs(const float* x, int64_t M, int64_t K) {
   for (int64_t i = 0; i < M * K; i += 2 * L)
     _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + L), _mm512_loadu_ps(x + i)));
 #else
-  for (int64_t i = 0; i < M * K; i += 2 * L)
-    for (int j = 0; j < L; j++) {
-      out[i + j] = bf16_value(round_to_bf16(x[i + 2 * j + 1]));
-      out[i + L + j] = bf16_value(round_to_bf16(x[i + 2 * j]));
-    }
+  pair_inputs_reference(x, M * K, out);
 #endif
   return buffer;
+}
+
+// The 16 high (odd) and low (even) elements of 32 bf16 weights from p, as floats.
+inline void pair_halves_reference(const uint16_t* p, f32x16& high, f32x16& low) {
+  for (int j = 0; j < L; j++) {
+    high.part[j / W][j % W] = bf16_value(p[2 * j + 1]);
+    low.part[j / W][j % W] = bf16_value(p[2 * j]);
+  }
 }
 
 #if FR_AVX512BF16
@@ -85,7 +98,7 @@ inline __m512bh bf16_pairs(const int8_t* p) {
   return _mm512_cvtne2ps_pbh(high, low);
 }
 #else
-// The 16 high (odd) and low (even) elements of 32 bf16 weights from p, as floats.
+// pair_halves_reference with intrinsics.
 inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
 #if FR_AVX512F
   const __m512i words = _mm512_loadu_si512(p);
@@ -98,10 +111,7 @@ inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
     low.part[h] = (native)_mm256_slli_epi32(words, 16);
   }
 #else
-  for (int j = 0; j < L; j++) {
-    high.part[j / W][j % W] = bf16_value(p[2 * j + 1]);
-    low.part[j / W][j % W] = bf16_value(p[2 * j]);
-  }
+  pair_halves_reference(p, high, low);
 #endif
 }
 

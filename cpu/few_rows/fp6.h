@@ -34,6 +34,14 @@ struct Fp6Table {
   }
 };
 
+// The codes of 1 or 2 blocks (24 packed bytes each) at p as bf16 values, in order: unpack_fp6's scalar reference.
+inline void unpack_fp6_reference(const uint8_t* p, int blocks, const uint16_t* table, uint16_t* values) {
+  for (int j = 0; j < 32 * blocks; j += 4) {
+    const uint32_t word = p[j / 4 * 3] | p[j / 4 * 3 + 1] << 8 | p[j / 4 * 3 + 2] << 16;
+    for (int i = 0; i < 4; i++) values[j + i] = table[(word >> (6 * i)) & 63];
+  }
+}
+
 #if FR_AVX512VBMI && FR_AVX512BF16
 // 32 or 64 codes from 24 or 48 packed bytes at p (bytes past them are not read) as bf16 values, 32 to a vector.
 inline void unpack_fp6(const uint8_t* p, __mmask64 bytes, __m512i table_low, __m512i table_high, __m512i& w0, __m512i& w1) {
@@ -52,21 +60,23 @@ inline void unpack_fp6(const uint8_t* p, __mmask64 bytes, __m512i table_low, __m
 
 // The 16 lane sums of one block's products, values [32] (bf16) times x (pair_inputs): lane i adds the products of
 // elements 2i + 1, then 2i, as vdpbf16ps does.
+inline f32x16 block_pairs_reference(const uint16_t* values, const float* x) {
+  f32x16 high, low;
+  pair_halves_reference(values, high, low);
+  f32x16 t = load(x) * high;
+  t += load(x + L) * low;  // exact products: fused into a multiply-add or not, one rounding
+  return t;
+}
+
 inline f32x16 block_pairs(const uint16_t* values, const PairInput* x) {
-  f32x16 t;
 #if FR_AVX512BF16
+  f32x16 t;
   t.part[0] = (native)_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(values),
                                        (__m512bh)_mm512_loadu_si512(x));
-#else
-  f32x16 high, low;
-  for (int j = 0; j < L; j++) {
-    high.part[j / W][j % W] = bf16_value(values[2 * j + 1]);
-    low.part[j / W][j % W] = bf16_value(values[2 * j]);
-  }
-  t = load(x) * high;
-  t += load(x + L) * low;  // exact products: fused into a multiply-add or not, one rounding
-#endif
   return t;
+#else
+  return block_pairs_reference(values, x);
+#endif
 }
 
 template <int R>
@@ -115,10 +125,7 @@ __attribute__((noinline)) void tile(const Fp6Table& weight, const PairInput* x, 
       const uint8_t* p = row + k / 4 * 3;
       const int blocks = K - k >= 64 ? 2 : 1;
       uint16_t values[64];
-      for (int j = 0; j < 32 * blocks; j += 4) {
-        const uint32_t word = p[j / 4 * 3] | p[j / 4 * 3 + 1] << 8 | p[j / 4 * 3 + 2] << 16;
-        for (int i = 0; i < 4; i++) values[j + i] = weight.table[(word >> (6 * i)) & 63];
-      }
+      unpack_fp6_reference(p, blocks, weight.table, values);
       for (int b = 0; b < blocks; b++) {
         const float s = weight.scale_values[scales[k / 32 + b]];
         for (int r = 0; r < R; r++) {

@@ -55,6 +55,28 @@ struct Int4Weight {
   }
 };
 
+// Output (m, n) in plain code, tile_int4's scalar reference: lane l of a block adds the integer dot product of its
+// codes 4l .. 4l + 3 times the block's scale (weight row n's group scale times input row m's block factor); the
+// offsets run group by group in their own chain; the lanes' tree and the offsets' sum at the end.
+inline float int4_output_reference(const Int4Weight& weight, const RoundedRows& a, int64_t m, int64_t n) {
+  const int64_t K = weight.K, shift = weight.shift, G = K >> shift;
+  const uint8_t* w = weight.row(n);
+  const float* g = weight.groups(n);
+  f32x8 lanes = {};
+  float offset = 0.f;
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t group = k >> shift;
+    if (!(k & ((int64_t(1) << shift) - 1))) offset = std::fma(g[2 * group + 1], a.group_sums[m * G + group], offset);
+    const float scale = g[2 * group] * a.d[m * (K / 32) + k / 32];
+    for (int l = 0; l < 8; l++) {
+      int dot = 0;
+      for (int j = 4 * l; j < 4 * l + 4; j++) dot += Int4Weight::code(w, K, k + j) * a.q[m * K + k + j];
+      lanes[l] = std::fma(float(dot), scale, lanes[l]);
+    }
+  }
+  return sum8_reference(lanes) + offset;
+}
+
 // C weight rows n0.. times R rounded rows m0..: one 8-lane float sum per output over the blocks in order (lane l of
 // a block: the integer dot product of its codes 4l .. 4l + 3), then a fixed tree, plus the offsets' sum, which runs
 // group by group in its own scalar chain alongside the blocks (so that the chain overlaps them); every output the
@@ -62,11 +84,11 @@ struct Int4Weight {
 template <int R, int C>
 __attribute__((noinline)) void tile_int4(const Int4Weight& weight, const RoundedRows& a, int64_t N, int64_t m0,
                                          int64_t n0, float* y) {
+#if FR_AVX2 && FR_FMA
   const int64_t K = weight.K, shift = weight.shift, G = K >> shift;
   const uint8_t* w[C];
   const float* g[C];
   for (int c = 0; c < C; c++) w[c] = weight.row(n0 + c), g[c] = weight.groups(n0 + c);
-#if FR_AVX2 && FR_FMA
   const __m256i low = _mm256_set1_epi8(15);
   __m256 acc[R][C];
   float offsets[R][C];
@@ -167,31 +189,12 @@ __attribute__((noinline)) void tile_int4(const Int4Weight& weight, const Rounded
       add_block(codes, k);
     }
   }
-#endif
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) {
-#if FR_AVX2 && FR_FMA
-      const float sum = sum8((f32x8)acc[r][c]), offset = offsets[r][c];
+    for (int c = 0; c < C; c++) y[(m0 + r) * N + n0 + c] = sum8((f32x8)acc[r][c]) + offsets[r][c];
 #else
-      // The same lanes, sums and tree in plain code (the portable build's reference): lane l of a block adds the
-      // integer dot product of its codes 4l .. 4l + 3 times the block's scale; the offsets run group by group.
-      f32x8 lanes = {};
-      float offset = 0.f;
-      for (int64_t k = 0; k < K; k += 32) {
-        const int64_t group = k >> shift;
-        if (!(k & ((int64_t(1) << shift) - 1)))
-          offset = std::fma(g[c][2 * group + 1], a.group_sums[(m0 + r) * G + group], offset);
-        const float scale = g[c][2 * group] * a.d[(m0 + r) * (K / 32) + k / 32];
-        for (int l = 0; l < 8; l++) {
-          int dot = 0;
-          for (int j = 4 * l; j < 4 * l + 4; j++) dot += Int4Weight::code(w[c], K, k + j) * a.q[(m0 + r) * K + k + j];
-          lanes[l] = std::fma(float(dot), scale, lanes[l]);
-        }
-      }
-      const float sum = sum8(lanes);
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) y[(m0 + r) * N + n0 + c] = int4_output_reference(weight, a, m0 + r, n0 + c);
 #endif
-      y[(m0 + r) * N + n0 + c] = sum + offset;
-    }
 }
 
 template <int C>

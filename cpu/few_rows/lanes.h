@@ -4,7 +4,8 @@
 namespace {
 
 // Which instruction sets the code uses: the ones the compiler targets (-march), or none in the portable build
-// (-DFEW_ROWS_PORTABLE), whose plain C++ computes the same lanes, sums and trees: the reference that
+// (-DFEW_ROWS_PORTABLE). Each function written with intrinsics has its scalar reference beside it, named
+// <function>_reference: plain C++ with the same lanes, sums and trees, which the portable build runs and
 // tests/test_cpu.py compares with the build for this CPU, bit for bit.
 #if defined(__AVX__) && !defined(FEW_ROWS_PORTABLE)
 #define FR_AVX 1
@@ -99,36 +100,56 @@ inline f32x16 load(const float* p) {
   return v;
 }
 
+inline float bf16_value(uint32_t bits16) {
+  const uint32_t b = bits16 << 16;
+  float v;
+  std::memcpy(&v, &b, 4);
+  return v;
+}
+
 // 16 weights to float. The generic vector conversions from 8- and 16-bit integers come out as scalar code
-// (GCC 12), so the usual targets get intrinsics; anything else a plain loop.
-inline f32x16 bf16_to_float(const uint16_t* p) {
+// (GCC 12), so the usual targets get intrinsics.
+inline f32x16 bf16_to_float_reference(const uint16_t* p) {
   f32x16 v;
+  for (int j = 0; j < L; j++) v.part[j / W][j % W] = bf16_value(p[j]);
+  return v;
+}
+
+inline f32x16 bf16_to_float(const uint16_t* p) {
 #if FR_AVX512F
+  f32x16 v;
   v.part[0] = (native)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  return v;
 #elif FR_AVX2
+  f32x16 v;
   for (int h = 0; h < 2; h++)
     v.part[h] = (native)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8 * h))),
                                           16);
+  return v;
 #else
-  for (int j = 0; j < L; j++) {
-    uint32_t bits = uint32_t(p[j]) << 16;
-    std::memcpy(&v.part[j / W][j % W], &bits, 4);
-  }
+  return bf16_to_float_reference(p);
 #endif
+}
+
+inline f32x16 int8_to_float_reference(const int8_t* p) {
+  f32x16 v;
+  for (int j = 0; j < L; j++) v.part[j / W][j % W] = p[j];
   return v;
 }
 
 inline f32x16 int8_to_float(const int8_t* p) {
-  f32x16 v;
 #if FR_AVX512F
+  f32x16 v;
   v.part[0] = (native)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  return v;
 #elif FR_AVX2
+  f32x16 v;
   for (int h = 0; h < 2; h++)
     v.part[h] = (native)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
-#else
-  for (int j = 0; j < L; j++) v.part[j / W][j % W] = p[j];
-#endif
   return v;
+#else
+  return int8_to_float_reference(p);
+#endif
 }
 
 inline f32x16 to_float(const float* p) { return load(p); }
@@ -141,13 +162,6 @@ inline uint16_t round_to_bf16(float v) {  // nearest, ties to even; NaN stays Na
   std::memcpy(&b, &v, 4);
   if ((b & 0x7fffffff) > 0x7f800000) return uint16_t((b >> 16) | 0x40);
   return uint16_t((b + 0x7fff + ((b >> 16) & 1)) >> 16);
-}
-
-inline float bf16_value(uint32_t bits16) {
-  const uint32_t b = bits16 << 16;
-  float v;
-  std::memcpy(&v, &b, 4);
-  return v;
 }
 
 // 8 floats: the attention's and the step's vectors, and the horizontal sums.
@@ -164,48 +178,62 @@ inline f32x8 load8(const float* p) {
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
 // 8 keys or values as floats, straight from the cache.
+inline f32x8 load8_reference(const c10::BFloat16* p) {
+  f32x8 v;
+  for (int j = 0; j < 8; j++) v[j] = float(p[j]);
+  return v;
+}
+
 inline f32x8 load8(const c10::BFloat16* p) {
 #if FR_AVX2
   return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 #else
-  f32x8 v;
-  for (int j = 0; j < 8; j++) v[j] = float(p[j]);
-  return v;
+  return load8_reference(p);
 #endif
 }
 
-// The one horizontal sum: the lanes of a[0 .. 3], each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the tree
-// of AVX's hadd (four vectors in three instructions where the attention's scores need them four at a time).
+// The one horizontal sum: a vector's lanes as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the tree of AVX's
+// hadd.
+inline float sum8_reference(f32x8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// Four vectors at a time, where the attention's scores need them (three hadds for four sums).
 inline void sum4x8(const f32x8* a, float* out) {
 #if FR_AVX
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]),
                                   _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 #else
-  for (int j = 0; j < 4; j++)
-    out[j] = ((a[j][0] + a[j][1]) + (a[j][2] + a[j][3])) + ((a[j][4] + a[j][5]) + (a[j][6] + a[j][7]));
+  for (int j = 0; j < 4; j++) out[j] = sum8_reference(a[j]);
 #endif
 }
 
-// One vector's lanes in the same tree, kept in registers (a round trip through the stack made products slower).
+// One vector, kept in registers (a round trip through the stack made products slower).
 __attribute__((always_inline)) inline float sum8(f32x8 v) {
 #if FR_AVX
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v, (__m256)v), (__m256)v);
   return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 #else
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  return sum8_reference(v);
 #endif
 }
 
-// A row's 16 lane sums: lanes j and j + 8 added, then sum8. Inlined by force: as a call, the struct argument kept
-// the accumulators on the stack during the whole tile loop.
+// A row's 16 lane sums: lanes j and j + 8 added, then sum8's tree.
+inline float sum_lanes_reference(const f32x16& v) {
+  f32x8 halves;
+  for (int j = 0; j < 8; j++) halves[j] = v.part[j / W][j % W] + v.part[(j + 8) / W][(j + 8) % W];
+  return sum8_reference(halves);
+}
+
+// Inlined by force: as a call, the struct argument kept the accumulators on the stack during the whole tile loop.
 __attribute__((always_inline)) inline float sum_lanes(f32x16 v) {
 #if FR_AVX512F
   const __m512 all = (__m512)v.part[0];
   return sum8((f32x8)_mm256_add_ps(_mm512_castps512_ps256(all),
                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1))));
-#else
+#elif FR_AVX
   return sum8(v.part[0] + v.part[1]);
+#else
+  return sum_lanes_reference(v);
 #endif
 }
 

@@ -64,9 +64,13 @@ class Int8Linear(nn.Module):
         q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
         return {"weight": q, "scales": scales}
 
-    # What quantize.py and tp.py ask of every format (FORMATS), so that adding one touches its class only.
+    # What quantize.py and tp.py ask of every format (FORMATS), so that adding one touches its class only: the
+    # inputs that share a scale, the multiple of output rows its kernel takes, its empty and quantized modules and
+    # its slices for tensor parallelism.
+    out_multiple = 1
+
     @staticmethod
-    def block(mode, groupsize):
+    def block(groupsize):
         return 1
 
     @classmethod
@@ -126,8 +130,10 @@ class Int4Linear(nn.Module):
         return {"weight": mx.pack(q.to(torch.uint8), 4),
                 "scales_and_zeros": torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()}
 
+    out_multiple = 16  # aten's int4 kernel packs output rows in 16s
+
     @staticmethod
-    def block(mode, groupsize):
+    def block(groupsize):
         return groupsize
 
     @classmethod
@@ -141,9 +147,9 @@ class Int4Linear(nn.Module):
     def keep_outputs(self, index):
         self.weight = self.weight[index].contiguous()
         self.scales_and_zeros = self.scales_and_zeros[:, index].contiguous()
-        if self.weight.shape[0] % 16:
+        if self.weight.shape[0] % self.out_multiple:
             raise InputError(f"{self.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple "
-                             "of 16")
+                             f"of {self.out_multiple}")
 
     def keep_inputs(self, start, stop):
         whole_blocks(start, stop, self.groupsize, "int4 group")
@@ -177,8 +183,10 @@ class MXLinear(nn.Module):
         return {"weight": mx.pack(torch.cat([c for c, _ in chunks]), mx.FORMATS[fmt].bits),
                 "scales": torch.cat([s for _, s in chunks])}
 
+    out_multiple = 1
+
     @staticmethod
-    def block(mode, groupsize):
+    def block(groupsize):
         return mx.BLOCK
 
     @classmethod
@@ -231,16 +239,16 @@ def file_mode(metadata: dict, path) -> tuple[str | None, int]:
 
 
 def block_of(mode, groupsize):
-    return FORMATS[mode].block(mode, groupsize)
+    return FORMATS[mode].block(groupsize)
 
 
 def quantized_linear(mode, linear: nn.Linear, groupsize=128, name="") -> nn.Module:
     """An empty quantized module shaped like `linear` (on the current default device)."""
     n, k, bias = linear.out_features, linear.in_features, linear.bias is not None
-    block = block_of(mode, groupsize)
-    if k % block or (mode == "int4" and n % 16):
+    block, rows = block_of(mode, groupsize), FORMATS[mode].out_multiple
+    if k % block or n % rows:
         raise InputError(f"{name}: in_features {k} / out_features {n} do not fit {mode} (in_features must be a "
-                         f"multiple of {block}{', out_features of 16' if mode == 'int4' else ''}); choose another mode")
+                         f"multiple of {block}{f', out_features of {rows}' if rows > 1 else ''}); choose another mode")
     return FORMATS[mode].empty(mode, k, n, bias, groupsize)
 
 

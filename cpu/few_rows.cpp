@@ -58,6 +58,7 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("packed_fp6_is_fast() -> bool", [] { return kFastFp6; });
   m.def("int8_in_pairs() -> bool", [] { return kInt8Pairs; });
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("int4_codes(Tensor nibbles) -> Tensor");
   m.def("stream_read(Tensor buffer) -> int");
 }
 
@@ -66,6 +67,7 @@ TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("attention", &attention);
   m.impl("llama_step", &llama_step);
   m.impl("rms_norm", &rms_norm);
+  m.impl("int4_codes", &int4_codes);
   m.impl("stream_read", &stream_read);
 }
 

@@ -258,6 +258,19 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
             assert torch.equal(compute(x[-rows:].contiguous()), y[-rows:]), (name, rows)
 
 
+def test_the_int4_layout_round_trips_between_python_and_the_kernels():
+    """The int4 runtime layout is written once, by cpu.modules.int4_layout; few_rows.cpp's reader (Int4Weight::code,
+    what the scalar reference multiplies) gives back every code in place, for whole 64-code chunks and a lone last
+    block of 32."""
+    assert kernels.load()
+    from cpu.modules import int4_layout
+    torch.manual_seed(0)
+    for k in (64, 96, 1536, 1504):
+        codes = torch.randint(0, 16, (5, k), dtype=torch.uint8)
+        nibbles, _ = int4_layout(codes, torch.zeros(k // 32, 5, 2, dtype=torch.bfloat16))
+        assert torch.equal(torch.ops.few_rows.int4_codes(nibbles), codes), k
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_step_s_rms_norm_is_model_py_s_bit_for_bit(dtype):
     """The one-call step's RMSNorm sums the squares in the order of PyTorch's own CPU sum (8-lane vectors, 4 sums, the

@@ -37,10 +37,9 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
   return r;
 }
 
-// Int4Linear's runtime layout (cpu.modules.int4_layout): codes [N, K / 2], each 64 codes of a row in 32 bytes, byte
-// j holding code j in its low nibble and code 32 + j in its high one, so one mask and one shift of a 32-byte load
-// give two blocks of 32 codes in order (where K ends in a lone block, its 16 bytes hold code j low and code 16 + j
-// high); and float32 factors [N, K / group, 2], each group's (scale, offset): w = code * scale + offset.
+// Int4Linear's runtime layout, as cpu.modules.int4_layout defines and writes it: codes [N, K / 2], each 64 of a row
+// in 32 bytes that one mask and one shift unpack into two blocks of 32 in order; float32 (scale, offset) factors
+// [N, K / group, 2]. `code` reads it back (tests/test_cpu.py round-trips every code through it).
 struct Int4Weight {
   const uint8_t* codes;
   const float* factors;
@@ -207,6 +206,18 @@ void rows_int4(const Int4Weight& weight, const RoundedRows& a, int64_t M, int64_
       default: tile_int4<4, C>(weight, a, N, m, n0, y); break;
     }
   }
+}
+
+// The codes [N, K] as Int4Weight reads them from the layout, for the test that round-trips cpu.modules.int4_layout.
+at::Tensor int4_codes(const at::Tensor& nibbles) {
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.is_contiguous() && nibbles.dim() == 2,
+              "few_rows: int4 codes are uint8 [N, K / 2]");
+  const int64_t N = nibbles.size(0), K = 2 * nibbles.size(1);
+  at::Tensor codes = at::empty({N, K}, nibbles.options());
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t i = 0; i < K; i++)
+      codes.data_ptr<uint8_t>()[n * K + i] = Int4Weight::code(nibbles.data_ptr<uint8_t>() + n * (K / 2), K, i);
+  return codes;
 }
 
 at::Tensor int4(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& groups) {

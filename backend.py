@@ -17,7 +17,9 @@ class Report:
     sizes_threads: bool = False  # its steps give the same results on any thread count: the loop may follow free cores
     step_bytes: int = 0  # bytes of weights one decode step reads
     held_bytes: int = 0  # bytes of weights this process holds (a tensor-parallel rank: its shard)
-    max_verify_tokens: int | None = None  # the longest verify a row (K + 1 tokens) it computes as a decode would
+    # The longest verify a row (K + 1 tokens) it computes as a decode would; None: no limit it checked (model.py's
+    # PyTorch path; on CUDA where not even 2 rows held, which gpu.apply says in a warning line).
+    max_verify_tokens: int | None = None
     fallback: str | None = None  # why it does not serve, where it refused
 
 

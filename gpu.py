@@ -8,7 +8,15 @@ scale + zero per group with scales_and_zeros [K/g, N, 2], so the backend only re
 codes per byte, the even one in the high nibble, then _convert_weight_to_int4pack) and multiplies with
 _weight_int4pack_mm: the weight is never dequantized. Inputs are rounded as the reference rounds them
 (quantize.round_activations), and each packed layer proves itself against the reference forward before it serves.
+
+Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. On CUDA
+that is not given (cuBLAS picks kernels by shape, attention splits by query length), so before the model serves,
+exact_verify_tokens runs one product of each shape and the attention at 1 and up to MOST_ROWS rows, bit for bit, and
+the report says the longest verify that held (backend.Report.max_verify_tokens). The target's steps are compiled
+without coordinate-descent tuning (speculative.compile_options), which would rewrite one-row products only.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -17,6 +25,7 @@ import mx
 import quantize
 
 TOLERANCE = 0.01  # relative RMS against the reference forward, in bf16
+MOST_ROWS = 17  # the longest verify checked: K = 16, speculative.AdaptiveK's largest
 RUNS_REFERENCE = "int4 layers run quantize.py's reference forward"
 
 
@@ -56,8 +65,76 @@ def refusal(model, int4) -> str | None:
 def apply(model) -> backend.Report:
     """Swap the int4 layers of a CUDA model for tinygemm ones, each checked against its reference forward on random
     inputs before it replaces it (the reference is dropped as it goes: no second copy of the model at the peak);
-    where tinygemm cannot run, or a layer does not match, the reference serves, with one warning line."""
-    return backend.attach(model, try_to_serve(model))
+    where tinygemm cannot run, or a layer does not match, the reference serves, with one warning line. Then the
+    rows check (exact_verify_tokens) sets the longest verify it serves exactly."""
+    report = try_to_serve(model)
+    rows, difference = exact_verify_tokens(model)
+    if rows < 2:
+        backend.warn("CUDA", f"a verify does not compute its rows as a decode step does ({difference})",
+                     "speculation runs, its output plain decoding's except where two logits are that close")
+        return backend.attach(model, report)
+    return backend.attach(model, dataclasses.replace(report, max_verify_tokens=rows))
+
+
+def in_features(m) -> int | None:
+    """A product module's inputs (None: not a product)."""
+    if isinstance(m, quantize.Int4Linear):
+        return 2 * m.weight.shape[1]
+    if isinstance(m, quantize.MXLinear):
+        return m.weight.shape[1] * 8 // m.fmt.bits
+    if isinstance(m, quantize.Int8Linear):
+        return m.weight.shape[1]
+    return m.in_features if isinstance(m, (nn.Linear, TinyGemmInt4Linear)) else None
+
+
+def products(model) -> dict:
+    """One product module of each kind and shape a step runs: {name: (module, in_features)}."""
+    found, shapes = {}, set()
+    for name, m in [*model.layers[0].named_modules(prefix="layers.0"), ("output", model.output)]:
+        k = in_features(m)
+        if k is None:
+            continue
+        shape = (type(m), k, m.out_features if hasattr(m, "out_features") else m.weight.shape[0])
+        if shape not in shapes:
+            shapes.add(shape)
+            found[name] = (m, k)
+    return found
+
+
+def exact_verify_tokens(model, most=MOST_ROWS) -> tuple[int, str]:
+    """The longest verify (tokens a row, 1 to `most`) whose every row equals, bit for bit, that row computed alone:
+    one product of each kind and shape (products) and layer 0's attention over a cache of the model's whole context
+    (where a split of the keys would show), on random inputs in the model's dtype. -> (rows, the first difference
+    found, in words, or "")."""
+    weight = model.tok_embeddings.weight
+    g = torch.Generator(device=weight.device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=weight.device).to(weight.dtype)
+    checks = {}
+    for name, (m, k) in products(model).items():
+        x = randn(1, most, k)
+        checks[name] = lambda n, m=m, x=x: (m(x[:, :n]), torch.cat([m(x[:, i:i + 1]) for i in range(n)], 1))
+    attention = model.layers[0].attention
+    hd, kv, groups = model.args.head_dim, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads
+    context = max(model.args.max_seq_len, most)
+    q, k, v = randn(1, kv, groups, most, hd), randn(1, kv, context, hd), randn(1, kv, context, hd)
+    slots = torch.arange(context, device=weight.device)
+
+    def attend(n, first):  # query rows first .. first + n - 1, the last `most` positions: [1, kv, groups, n, hd]
+        positions = context - most + torch.arange(first, first + n, device=weight.device)
+        mask = (slots <= positions[None, None, :, None]).repeat(1, 1, groups, 1)
+        rows = q[:, :, :, first:first + n].reshape(1, kv, groups * n, hd)
+        return attention.attend(rows, k, v, mask, positions[None]).view(1, kv, groups, n, hd)
+    checks["layers.0.attention.attend"] = lambda n: (attend(n, 0), torch.cat([attend(1, i) for i in range(n)], 3))
+    with torch.no_grad():
+        for n in range(2, most + 1):
+            for name, check in checks.items():
+                together, alone = check(n)
+                if not torch.equal(together, alone):
+                    largest = (together.float() - alone.float()).abs().max().item()
+                    return n - 1, f"{name} at {n} rows: largest difference {largest:.3g}"
+    return most, ""
 
 
 def try_to_serve(model) -> backend.Report:

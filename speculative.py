@@ -12,19 +12,21 @@ import torch
 from backend import report
 from sampling import argmax, logits_to_probs
 
-def compile_options(device) -> dict:
-    """torch.compile options of every step (decoding.Step, the draft's step): see decoding.Step. On CUDA also
-    CUDA graphs, and coordinate-descent tuning, which lets Inductor fuse int8's cast into the product (without it
-    aten.mm reads a bf16 copy of each weight written by a separate kernel; gpt-fast sets it too)."""
+def compile_options(device, same_rows=True) -> dict:
+    """torch.compile options of every step (decoding.Step, the draft's step): see decoding.Step. On CUDA also CUDA
+    graphs, and for a draft's steps (same_rows=False) coordinate-descent tuning, which lets Inductor fuse int8's cast
+    into the product (without it aten.mm reads a bf16 copy of each weight written by a separate kernel; gpt-fast
+    sets it too) but rewrites one-row products only, as a sum of products (torch/_inductor/decomposition.py): a
+    target's decode and verify would then compute a row differently (gpu.exact_verify_tokens)."""
     cuda = torch.device(device).type == "cuda"
-    return {"triton.cudagraphs": cuda, "coordinate_descent_tuning": cuda, "size_asserts": False,
+    return {"triton.cudagraphs": cuda, "coordinate_descent_tuning": cuda and not same_rows, "size_asserts": False,
             "alignment_asserts": False, "emulate_precision_casts": True}
 
 
-def compile_step(fn, device, **kwargs):
+def compile_step(fn, device, same_rows=True, **kwargs):
     """torch.compile(fn) with compile_options. On CUDA the outputs are cloned: the next replay of a CUDA graph
     overwrites the outputs of the last one, and a caller keeps them across steps (a draft's K tokens)."""
-    step = torch.compile(fn, fullgraph=True, options=compile_options(device), **kwargs)
+    step = torch.compile(fn, fullgraph=True, options=compile_options(device, same_rows), **kwargs)
     if torch.device(device).type != "cuda":
         return step
 
@@ -90,8 +92,8 @@ class ModelDrafter:
         self.cached_until = None
         self.step = self._step
         if compile and report(model).compile_steps:
-            # a static graph for each of the two shapes, 1 and 2 tokens a row
-            self.step = compile_step(self._step, model.tok_embeddings.weight.device, dynamic=False)
+            # a static graph for each of the two shapes, 1 and 2 tokens a row; its bits never touch exactness
+            self.step = compile_step(self._step, model.tok_embeddings.weight.device, same_rows=False, dynamic=False)
 
     @staticmethod
     def _step(model, tokens, input_pos, temperature, top_k, top_p):

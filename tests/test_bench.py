@@ -114,3 +114,16 @@ def test_bench_load_times_fresh_processes(tiny, capsys):
     assert table[3].startswith("| bf16 |")
     with pytest.raises(SystemExit, match="--files mxfp9: not a file kind; give bf16 or quantize.py modes"):
         bench_load.main(["--checkpoint_path", str(ckpt), "--files", "bf16,mxfp9"])
+
+
+def test_the_rows_check_script_reports_every_mode(tiny):
+    """scripts/verify_rows.py, the first part of scripts/gpu_check.sh, on the CPU with model.py alone: one line a
+    mode with the longest verify that computes each row as a decode step does (model.py's bf16 here: every row)."""
+    import re
+    ckpt, _ = tiny("llama_gqa_tied")
+    result = cli(ckpt / "config.json", "cpu", "torch", script="scripts/verify_rows.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["bf16", "int8", "int4", "mxfp6", "mxfp4"], result.stdout
+    for line in lines:
+        assert re.fullmatch(r"\w+: verify rows computed as a decode step computes them: 1 to 17 \([\d.]+ s\)", line), line

@@ -105,6 +105,36 @@ def test_a_verify_computes_each_row_as_a_decode_step_does():
     assert largest["compiled"] == 0, f"largest difference of a logit: {largest}"
 
 
+def test_the_rows_check_finds_the_first_verify_that_differs():
+    """gpu.exact_verify_tokens, which the CUDA backend runs before it serves (its report carries the result): a
+    product that computes its rows differently past 8 of them, then an attention past 3 query tokens, are found and
+    named, and the longest exact verify is reported (at most what the unpatched model gets on this device). The
+    message gives the longest exact verify of each mode here."""
+    import gpu
+    from backend import report
+    found = {mode: gpu.exact_verify_tokens(on_device(mode)) for mode in (None, "int8", "int4", "mxfp6")}
+    model = on_device()
+    rows, _ = found[None]
+    if ON_CUDA:
+        assert report(model).max_verify_tokens == (rows if rows >= 2 else None), found
+
+    class PastEightRows(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * (1 + 2 ** -6 if x.shape[-2] > 8 else 1)
+    w2 = model.layers[0].feed_forward.w2
+    model.layers[0].feed_forward.w2 = PastEightRows(w2.in_features, w2.out_features, bias=False, device=DEVICE)
+    model.layers[0].feed_forward.w2.weight = w2.weight
+    patched = gpu.exact_verify_tokens(model)
+    assert patched[0] == min(rows, 8) and (rows <= 8 or patched[1].startswith("layers.0.feed_forward.w2 at 9 rows")), \
+        (patched, found)
+    attention = model.layers[0].attention
+    attend, groups = attention.attend, ARGS.n_heads // ARGS.n_kv_heads
+    attention.attend = lambda q, *rest: attend(q, *rest) * (1 + 2 ** -6 if q.shape[2] > 3 * groups else 1)
+    patched = gpu.exact_verify_tokens(model)
+    assert patched[0] == min(rows, 3) and (rows <= 3 or patched[1].startswith("layers.0.attention.attend at 4")), \
+        (patched, found)
+
+
 def test_greedy_speculation_equals_plain_greedy():
     target, steps = on_device(), Steps(compile=True, device=DEVICE)
     plain = [generate(target, [p], NEW, steps)[0][0] for p in prompts()]

@@ -320,3 +320,15 @@ def test_draft_quantize_flag(tiny, tmp_path):
     small = ModelArgs(vocab_size=256, dim=48, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
                       max_seq_len=64)
     assert not quantize_fits(small, "int4") and quantize_fits(small, "int8")
+
+
+def test_the_cuda_backends_rows_check_on_the_cpu(monkeypatch):
+    """tests/test_cuda.py's check of gpu.exact_verify_tokens (what the CUDA backend runs before it serves, and what
+    its report carries), here on the CPU with model.py alone: a product and an attention made to compute rows
+    differently past 8 and 3 rows are found and named (unpatched, model.py's bf16 computes every row alike here)."""
+    import gpu
+    import test_cuda
+    monkeypatch.setattr(test_cuda, "DEVICE", "cpu")
+    monkeypatch.setattr(test_cuda, "ON_CUDA", False)
+    assert gpu.exact_verify_tokens(test_cuda.on_device()) == (gpu.MOST_ROWS, "")
+    test_cuda.test_the_rows_check_finds_the_first_verify_that_differs()

@@ -118,12 +118,17 @@ def test_bench_load_times_fresh_processes(tiny, capsys):
 
 def test_the_rows_check_script_reports_every_mode(tiny):
     """scripts/verify_rows.py, the first part of scripts/gpu_check.sh, on the CPU with model.py alone: one line a
-    mode with the longest verify that computes each row as a decode step does (model.py's bf16 here: every row)."""
+    mode with the longest verify that computes each row as a decode step does (model.py's bf16 here: every row); a
+    missing config or an unknown device is one line."""
     import re
     ckpt, _ = tiny("llama_gqa_tied")
-    result = cli(ckpt / "config.json", "cpu", "torch", script="scripts/verify_rows.py")
+    result = cli(ckpt / "config.json", "--device", "cpu", "--backend", "torch", script="scripts/verify_rows.py")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["bf16", "int8", "int4", "mxfp6", "mxfp4"], result.stdout
     for line in lines:
         assert re.fullmatch(r"\w+: verify rows computed as a decode step computes them: 1 to 17 \([\d.]+ s\)", line), line
+    assert_one_line_error(cli(ckpt / "nope.json", "--device", "cpu", script="scripts/verify_rows.py"), "nope.json",
+                          "not found")
+    assert_one_line_error(cli(ckpt / "config.json", "--device", "tpu", script="scripts/verify_rows.py"),
+                          "--device tpu: not supported")

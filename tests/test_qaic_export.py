@@ -256,12 +256,14 @@ def test_padding_positions_write_nothing(codegen_exports):
 
 
 def float16_greedy_check(e, prompts):
-    """On the float16 runtime: the target's plain greedy tokens equal PyTorch's fp32 ones, and the speculative loop
-    (target and draft in float16) gives the same tokens."""
+    """On the float16 runtime, the speculative loop (target and draft in float16) gives PyTorch's fp32 greedy tokens:
+    each is the float16 target's argmax in a verify, so its greedy tokens too, which the first prompt checks alone
+    (the emulator takes most of a second a call on SmolLM2)."""
     target = run_onnx.ExportedModel(e["target"], "target", "float16")
     drafter = run_onnx.ExportedModel(e["draft"], "draft", "float16")
-    for prompt, want in zip(prompts, plain_greedy(e["ckpt"], prompts), strict=True):
-        assert run_onnx.greedy(target, prompt, NEW) == want
+    for i, (prompt, want) in enumerate(zip(prompts, plain_greedy(e["ckpt"], prompts), strict=True)):
+        if i == 0:
+            assert run_onnx.greedy(target, prompt, NEW) == want
         tokens, _ = run_onnx.speculative_greedy(target, drafter, prompt, NEW)  # a new sequence overwrites the state
         assert tokens == want
 

@@ -78,17 +78,19 @@ DEFAULT_RULE = {"fp8_e4m3": "rceil", "fp8_e5m2": "rceil", "fp6_e2m3": "rceil", "
 
 
 def encode_elements(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """float32 values (already divided by the scale) -> codes (uint8): nearest, ties to even, saturating."""
+    """float32 values (already divided by the scale; not NaN) -> codes (uint8): nearest, ties to even, saturating."""
     x = x.float()
     if not fmt.ebits:
         return (x * 64).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
-    values = fmt.table(x.device)[: (1 << (fmt.bits - 1)) - len(fmt.nan_codes)]
     mag = x.abs().clamp(max=fmt.max_normal)  # the largest value that is not NaN
-    below = (torch.searchsorted(values, mag, right=True) - 1).clamp(max=len(values) - 2)
-    lo, hi = values[below], values[below + 1]
-    # mag sits in [lo, hi]; the midpoint of two adjacent formats' values is exact in float32.
-    up = (mag - lo > hi - mag) | ((mag - lo == hi - mag) & (below % 2 == 1))
-    code = (below + up.long()).to(torch.uint8)
+    # In the binade of exponent e (the subnormals share the smallest normal's), values are steps of 2^(e - mbits):
+    # mag in steps, rounded half to even, is the code's mantissa (2^mbits more for normals). Power-of-two scaling and
+    # rounding to an integer are exact in float32, so this is the nearest value, ties to the even code.
+    lowest = 1 - fmt.bias
+    exp = torch.frexp(mag.clamp(min=2.0 ** lowest)).exponent.sub_(1)
+    step = (fmt.mbits - exp + 127).bitwise_left_shift_(23).view(torch.float32)  # 1 / 2^(e - mbits), a normal float
+    steps = mag.mul_(step).round_()  # 0 .. 2^(mbits + 1): the top one is the next binade's first
+    code = steps.to(torch.int32).add_((exp - lowest) << fmt.mbits).to(torch.uint8)
     sign = (x < 0) & (code > 0)
     return code | (sign.to(torch.uint8) << (fmt.bits - 1))
 
@@ -133,7 +135,8 @@ def quantize(w: torch.Tensor, fmt: ElementFormat, rule: str = "rceil"):
     amax = torch.where(blocks.isnan().any(-1), float("nan"), amax)
     scales = block_scales(amax, fmt, rule)
     exp = (scales.int() - 127).clamp(max=127).unsqueeze(-1)
-    codes = encode_elements(torch.ldexp(blocks, -exp).nan_to_num(0), fmt)  # exact: a power-of-two divide
+    inverse = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), -exp)  # per block: ldexp per element is slow
+    codes = encode_elements((blocks * inverse).nan_to_num(0), fmt)  # exact: a power-of-two divide
     return codes.flatten(-2), scales
 
 
@@ -153,10 +156,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:
         pairs = codes.unflatten(-1, (-1, 2))
         return pairs[..., 0] | (pairs[..., 1] << 4)
-    if bits == 6:
-        q = codes.unflatten(-1, (-1, 4)).int()
-        word = q[..., 0] | (q[..., 1] << 6) | (q[..., 2] << 12) | (q[..., 3] << 18)
-        return torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], -1).flatten(-2).to(torch.uint8)
+    if bits == 6:  # byte by byte: a 24-bit word in int32 would move 4 times the bytes
+        c = codes.unflatten(-1, (-1, 4)).unbind(-1)
+        return torch.stack([c[0] | (c[1] << 6), (c[1] >> 2) | (c[2] << 4), (c[2] >> 4) | (c[3] << 2)], -1).flatten(-2)
     raise ValueError(f"no packing for {bits}-bit codes")
 
 
@@ -166,9 +168,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:
         return torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
     if bits == 6:
-        b = packed.unflatten(-1, (-1, 3)).int()
-        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-        return torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], -1).flatten(-2).to(torch.uint8)
+        b = packed.unflatten(-1, (-1, 3)).unbind(-1)
+        return torch.stack([b[0] & 0x3F, (b[0] >> 6) | ((b[1] & 0xF) << 2), (b[1] >> 4) | ((b[2] & 0x3) << 4), b[2] >> 2],
+                           -1).flatten(-2)
     raise ValueError(f"no packing for {bits}-bit codes")
 
 

@@ -117,8 +117,9 @@ class Int4Linear(nn.Module):
 
     def dequantize(self, rows=slice(None)):
         """The float32 weight (of these rows)."""
-        scales, zeros = (t.float().T[rows].repeat_interleave(self.groupsize, 1) for t in self.scales_and_zeros.unbind(-1))
-        return mx.unpack(self.weight[rows], 4).float().sub_(8).mul_(scales).add_(zeros)
+        scales, zeros = (t.float().T[rows, :, None] for t in self.scales_and_zeros.unbind(-1))  # [n, K/g, 1]
+        codes = mx.unpack(self.weight[rows], 4).float().sub_(8).unflatten(-1, (-1, self.groupsize))
+        return codes.mul_(scales).add_(zeros).flatten(-2)
 
     @staticmethod
     def quantize(w, groupsize):
@@ -312,7 +313,7 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
     for name in tqdm(sorted(tensors), desc=f"quantize {mode}", disable=not progress, unit="tensor"):
         w = tensors[name]
         if name in linears:
-            if not w.float().isfinite().all():
+            if not w.isfinite().all():
                 raise InputError(f"{weights_path}: tensor '{name}' has NaN or Inf values; fix the checkpoint")
             module = name.removesuffix(".weight")
             quantized_linear(mode, nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), groupsize, module)

@@ -33,7 +33,7 @@ REPLACED = {"model.Attention.attend": ("acd364298b21851a", "e7f628b8"),
             "quantize.Int8Linear.forward": ("53aee6a4dac6f874", "6599e64c"),
             "quantize.Int8Linear.dequantize": ("8dfc74cf09a780b6", "c67759bf"),
             "quantize.Int4Linear.forward": ("d90a8014854b3f47", "b3a53210"),
-            "quantize.Int4Linear.dequantize": ("f3baa7234fdeb728", "7ff5cb69"),
+            "quantize.Int4Linear.dequantize": ("a62c875a7b90c3fb", "d9b348a1"),
             "quantize.MXLinear.forward": ("801f44b24116caa7", "37c8039d"),
             "quantize.MXLinear.dequantize": ("ae3abfd669e2d04d", "474422a4")}
 

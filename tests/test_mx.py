@@ -77,6 +77,22 @@ def test_encoding_is_bit_identical_to_ml_dtypes(name, rule):
     assert torch.equal(values.float() * factors.repeat_interleave(mx.BLOCK, 1), mx.dequantize(codes, scales, fmt))
 
 
+@pytest.mark.parametrize("name", ML_DTYPES)
+def test_ties_and_binade_edges_round_as_ml_dtypes(name):
+    """Every value of the format, every midpoint of two neighbours (a tie: the even code wins), the floats either side
+    of it, float32 subnormals and values past the largest normal: encode_elements' codes are ml_dtypes' cast."""
+    fmt = mx.FORMATS[name]
+    values = fmt.values[~fmt.values.isnan()]
+    middles = (values[1:] + values[:-1]) / 2  # exact in float32: the formats have at most 3 mantissa bits
+    x = torch.cat([values, middles, torch.nextafter(middles, torch.tensor(0.0)),
+                   torch.nextafter(middles, torch.tensor(float("inf"))),
+                   torch.tensor([1e-45, 1e-38, fmt.max_normal * 1.01, fmt.max_normal * 4, float("inf")])])
+    x = torch.cat([x, -x])
+    ref = x.clamp(-fmt.max_normal, fmt.max_normal).numpy().astype(ML_DTYPES[name]).view(np.uint8)
+    ref = np.where(ref == (1 << (fmt.bits - 1)), 0, ref)  # -0 -> +0, as encode_elements gives it
+    assert np.array_equal(mx.encode_elements(x, fmt).numpy(), ref)
+
+
 def test_scale_rules():
     fp4 = mx.FORMATS["fp4_e2m1"]
     block = torch.zeros(1, 32)

@@ -93,7 +93,7 @@ def test_an_int4_draft_keeps_the_pair_exact(qwen_pair, tmp_path):
 def test_quantized_targets_keep_their_own_output(qwen_pair, tmp_path):
     """The 1.5B quantized by quantize.py (int4, mxfp6) is another target: drafted by the 0.5B (int4), K = 4, a batch
     of 3, its output is token for token that quantized target's own plain output. (An int8 target speculates on
-    SmolLM2 in test_bench; test_cpu holds every format's kernels to one arithmetic at 1-17 rows.)"""
+    SmolLM2 in test_bench; test_cpu holds every format's kernels to one arithmetic at 1-8, 16 and 17 rows.)"""
     import quantize
     target_dir, draft_dir = qwen_pair
     tokenizer = Tokenizer(target_dir)
@@ -247,14 +247,13 @@ def test_the_pair_under_tensor_parallelism_matches_one_process(qwen_pair, tmp_pa
                 max_new_tokens=16, speculate_k=4)
     (tmp_path / "cases.json").write_text(json.dumps([case]))
     results = []
-    world = 3
-    for nproc in (1, world):
+    for nproc in (1, 3):
         result = torchrun(nproc, "tests/tp_worker.py", tmp_path / "cases.json", tmp_path / f"{nproc}.json")
         assert result.returncode == 0, result.stderr[-4000:]
         results.append(json.loads((tmp_path / f"{nproc}.json").read_text())[0])
     one, ranks = results
     assert ranks["tokens"] == one["tokens"] and len(one["tokens"][0]) == 16
-    assert ranks["mean_accepted"] > 1 and len(ranks["weight_bytes"]) == world
+    assert ranks["mean_accepted"] > 1 and len(ranks["weight_bytes"]) == 3
 
 
 def test_a_tensor_type_gguf_cannot_dequantize_is_one_line(qwen_pair, tmp_path, monkeypatch):

@@ -41,8 +41,10 @@ import cli  # noqa: E402
 if __name__ == "__main__":
     cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
 
+import atexit  # noqa: E402
 import contextlib  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -453,6 +455,7 @@ def bench(opts):
     check_rows(rows, opts)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     torch.manual_seed(0)
     model = load_row_model(opts)
     if opts.random_weights:  # random prompts as long as HumanEval's first ones

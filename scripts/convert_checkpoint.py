@@ -414,13 +414,27 @@ def sentencepiece_tokenizer(tokens, scores, types, unknown_id, add_space_prefix)
     return tok
 
 
+def gguf_reader(path):
+    """gguf's GGUFReader, reading through a plain array view of its memory map: slicing a np.memmap runs numpy's
+    Python hooks for every slice, and a 150k-token vocabulary with its merges is millions of slices."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)  # the view keeps the map open
+            return super()._get(offset, dtype, count, override_order)
+
+    return Reader(path)
+
+
 def convert_gguf(source: Path):
     """A GGUF file's config, its tensors as (shape, produce) to be dequantized one at a time while they are
     written, its special tokens and tokenizer."""
-    from gguf import GGUFReader
     from gguf.quants import _type_traits, dequantize  # the types it dequantizes: no public list
     try:
-        reader = GGUFReader(source)
+        reader = gguf_reader(source)
     except Exception as e:
         raise InputError(f"{source}: not a readable GGUF file ({e})") from None
     arch = gguf_value(reader, "general.architecture")

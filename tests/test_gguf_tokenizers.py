@@ -17,7 +17,7 @@ import pytest
 from prompts import humaneval_tasks
 from tokenizer import TextStream, Tokenizer
 
-from convert_checkpoint import LLAMA3_SPLIT, PRE_TOKENIZERS, convert, gguf_tokenizer  # noqa: E402
+from convert_checkpoint import LLAMA3_SPLIT, PRE_TOKENIZERS, convert, gguf_reader, gguf_tokenizer  # noqa: E402
 
 # Digit runs, contractions in both cases, unicode, whitespace runs, code, special tokens.
 TEXTS = ["Hello world", "I'LL pay 1234567 for it, we'Re told; THEY'VE 12 and 9876543210 of them'd", "don't\n'd 's 'S",
@@ -90,10 +90,9 @@ def gguf_bpe(reader):
 def vocabularies(smollm2, tmp_path_factory):
     """name -> a vocab-only GGUF: the trained SentencePiece model; the trained BPE and SmolLM2's BPE with each
     pre-tokenizer llama.cpp names for them; SmolLM2's own file ('smollm'; Qwen's, 'qwen2': test_real_pair.py)."""
-    from gguf import GGUFReader
     directory = tmp_path_factory.mktemp("vocabularies")
     files = {"sentencepiece": trained_sentencepiece(directory), "smollm2": smollm2[1]}
-    sources = {"trained": trained_bpe(), "smollm2": gguf_bpe(GGUFReader(smollm2[1]))}
+    sources = {"trained": trained_bpe(), "smollm2": gguf_bpe(gguf_reader(smollm2[1]))}
     for source, (tokens, types, merges) in sources.items():
         for pre in ("default", "gpt-2", "llama-bpe", "qwen2", "smollm"):
             files[f"{source}-{pre}"] = write_vocabulary(
@@ -103,8 +102,7 @@ def vocabularies(smollm2, tmp_path_factory):
 
 
 def ours(path):
-    from gguf import GGUFReader
-    return gguf_tokenizer(GGUFReader(path), path)
+    return gguf_tokenizer(gguf_reader(path), path)
 
 
 def texts():
@@ -166,8 +164,7 @@ def test_a_converted_sentencepiece_checkpoint_adds_bos_and_decodes_to_its_text(v
     lacks, decoding that gives a text without special tokens back (and streams a generated word's leading space),
     and the chat template carried with its BOS and EOS strings."""
     import numpy as np
-    from gguf import GGUFReader
-    reader = GGUFReader(vocabularies["sentencepiece"])
+    reader = gguf_reader(vocabularies["sentencepiece"])
     tokens, types, scores = (reader.fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "token_type",
                                                                                        "scores"))
     shapes = {"token_embd.weight": (len(tokens), 64), "output_norm.weight": (64,), "output.weight": (len(tokens), 64),
@@ -200,9 +197,8 @@ def test_a_converted_sentencepiece_checkpoint_adds_bos_and_decodes_to_its_text(v
 
 
 def test_an_unsupported_pre_tokenizer_or_tokenizer_is_one_line(vocabularies, tmp_path):
-    from gguf import GGUFReader
     from checkpoint import InputError
-    tokens, types, merges = gguf_bpe(GGUFReader(vocabularies["smollm2-gpt-2"]))
+    tokens, types, merges = gguf_bpe(gguf_reader(vocabularies["smollm2-gpt-2"]))
     path = write_vocabulary(tmp_path / "tekken.gguf", "gpt2", tokens, types, token_merges=merges,
                             tokenizer_pre="tekken")
     with pytest.raises(InputError) as e:

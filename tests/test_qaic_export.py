@@ -63,8 +63,9 @@ def smollm2_exports(smollm2, tmp_path_factory):
     ckpt, _ = smollm2
     root = tmp_path_factory.mktemp("qaic_smollm2")
     random_dir = random_draft_checkpoint(ckpt, root / "random_ckpt")
-    return dict(ckpt=ckpt, target=export(ckpt, root / "target", "target"), draft=export(ckpt, root / "draft", "draft"),
-                random_draft=export(random_dir, root / "random_draft", "draft"))
+    yield dict(ckpt=ckpt, target=export(ckpt, root / "target", "target"), draft=export(ckpt, root / "draft", "draft"),
+               random_draft=export(random_dir, root / "random_draft", "draft"))
+    shutil.rmtree(root, ignore_errors=True)  # 1.3 GB of graphs, no longer needed
 
 
 @pytest.fixture(scope="module")

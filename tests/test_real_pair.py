@@ -7,6 +7,7 @@ These tests hold the most memory of the suite (the 1.5B in float32 beside its dr
 transformers reference is loaded."""
 import gc
 import json
+import shutil
 
 import pytest
 import torch
@@ -37,7 +38,8 @@ def qwen_small_fp32(qwen_pair, tmp_path_factory):
     gguf = fetch_models.CHECKPOINTS / fetch_models.MODELS["qwen2.5-coder-0.5b"].file
     ckpt = convert(gguf, tmp_path_factory.mktemp("qwen0.5b-fp32"), torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    return ckpt, hf, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    yield ckpt, hf, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    shutil.rmtree(ckpt, ignore_errors=True)  # 2.4 GB, no longer needed
 
 
 def test_the_pair_is_what_was_recorded(qwen_pair):
@@ -50,12 +52,27 @@ def test_the_pair_is_what_was_recorded(qwen_pair):
         assert {151643, 151645} <= set(config["eos_token_id"])  # <|endoftext|> ends completions; <|im_end|> chats
 
 
+@pytest.fixture(scope="module")
+def int4_draft(qwen_pair, tmp_path_factory):
+    """The 0.5B quantized by quantize.py to int4, the form --draft_quantize auto gives a draft."""
+    import quantize
+    _, draft_dir = qwen_pair
+    directory = tmp_path_factory.mktemp("draft-int4")
+    for name in ("config.json", "tokenizer.json"):  # a quantized file is read beside its model's config
+        (directory / name).symlink_to(draft_dir / name)
+    yield quantize.quantize_checkpoint(draft_dir, "int4", output=directory / "model.int4.safetensors", progress=False)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_pair_speculates_exactly(qwen_pair, dtype):
+def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
     """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, a batch of 3 at K = 4 and 16
     and one prompt alone at K = 1-3 and 5-7 (bf16; fp32 at 4 and 7). A verify's K + 1 rows then take every pass
     the few-row kernels have (cpu/few_rows/tiles.h: one pass of 2-7 rows, 8 on AVX-512; 8 rows as 4 + 4 on AVX2,
-    17 as 5 + 6 + 6); the row counts in between repeat those passes. test_cpu holds each pass to one arithmetic."""
+    17 as 5 + 6 + 6); the row counts in between repeat those passes. test_cpu holds each pass to one arithmetic.
+    In bf16, the 0.5B in int4 as well (K = 4, a batch of 3): a quantized draft is another model, which changes
+    alpha, never the tokens. The other formats draft SmolLM2 (test_quantize, test_bench); test_quantizers holds
+    their math."""
     target_dir, draft_dir = qwen_pair
     tokenizer = Tokenizer(target_dir)
     prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
@@ -67,46 +84,29 @@ def test_the_pair_speculates_exactly(qwen_pair, dtype):
         rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
         assert rows == plain[:len(batch)], k
         assert stats["alpha"] > 0.3, stats  # a real draft for a real target: most drafts accepted
-    del target, draft, drafter  # 14 GB in float32 with the backend's copies: gone before the next test loads
+    if dtype == torch.bfloat16:
+        del draft
+        drafter = ModelDrafter(load_model(int4_draft, "cpu", dtype))
+        rows, stats = generate(target, prompts, 40, Steps(), drafter=drafter, speculate_k=4)
+        assert rows == plain, "int4 draft"
+        assert stats["alpha"] > 0.3, stats
+    del target, drafter  # 14 GB in float32 with the backend's copies: gone before the next test loads
     gc.collect()
 
 
-def test_an_int4_draft_keeps_the_pair_exact(qwen_pair, tmp_path):
-    """The 0.5B quantized by quantize.py to int4 (the form --draft_quantize auto gives it) drafting the bf16 1.5B:
-    still its plain output, K = 4, a batch of 3 (a quantized draft is another model: it changes alpha, never the
-    tokens). The other formats draft SmolLM2 (test_quantize, test_bench); test_quantizers holds their math."""
-    import quantize
-    target_dir, draft_dir = qwen_pair
-    tokenizer = Tokenizer(target_dir)
-    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
-    target = load_model(target_dir, "cpu", torch.bfloat16)
-    plain, _ = generate(target, prompts, 32, Steps())
-    for name in ("config.json", "tokenizer.json"):
-        (tmp_path / name).symlink_to(draft_dir / name)
-    path = quantize.quantize_checkpoint(draft_dir, "int4", output=tmp_path / "model.int4.safetensors", progress=False)
-    drafter = ModelDrafter(load_model(path, "cpu", torch.bfloat16))
-    rows, stats = generate(target, prompts, 32, Steps(), drafter=drafter, speculate_k=4)
-    assert rows == plain
-    assert stats["alpha"] > 0.3, stats
-
-
-def test_quantized_targets_keep_their_own_output(qwen_pair, tmp_path):
+def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path):
     """The 1.5B quantized by quantize.py (int4, mxfp6) is another target: drafted by the 0.5B (int4), K = 4, a batch
     of 3, its output is token for token that quantized target's own plain output. (An int8 target speculates on
     SmolLM2 in test_bench; test_cpu holds every format's kernels to one arithmetic at 1-8, 16 and 17 rows.)"""
     import quantize
-    target_dir, draft_dir = qwen_pair
+    target_dir, _ = qwen_pair
     tokenizer = Tokenizer(target_dir)
     prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
-    for source, directory in ((target_dir, tmp_path / "target"), (draft_dir, tmp_path / "draft")):
-        directory.mkdir()
-        for name in ("config.json", "tokenizer.json"):  # a quantized file is read beside its model's config
-            (directory / name).symlink_to(source / name)
-    draft_file = quantize.quantize_checkpoint(draft_dir, "int4", output=tmp_path / "draft" / "model.int4.safetensors",
-                                              progress=False)
-    drafter = ModelDrafter(load_model(draft_file, "cpu", torch.bfloat16))
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(target_dir / name)
+    drafter = ModelDrafter(load_model(int4_draft, "cpu", torch.bfloat16))
     for mode in ("int4", "mxfp6"):
-        path = quantize.quantize_checkpoint(target_dir, mode, output=tmp_path / "target" / f"model.{mode}.safetensors",
+        path = quantize.quantize_checkpoint(target_dir, mode, output=tmp_path / f"model.{mode}.safetensors",
                                             progress=False)
         target = load_model(path, "cpu", torch.bfloat16)
         plain, _ = generate(target, prompts, 32, Steps())

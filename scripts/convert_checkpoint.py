@@ -436,7 +436,12 @@ def convert_gguf(source: Path):
     try:
         reader = gguf_reader(source)
     except Exception as e:
-        raise InputError(f"{source}: not a readable GGUF file ({e})") from None
+        with open(source, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise InputError(f"{source}: not a GGUF file (it begins {magic!r}, a GGUF file b'GGUF')") from None
+        raise InputError(f"{source}: a GGUF file that cannot be read, truncated or damaged ({e}); fetch or copy it "
+                         "again") from None
     arch = gguf_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise InputError(f"{source}: architecture '{arch}' is not supported for GGUF ({', '.join(GGUF_ARCHITECTURES)})")

@@ -81,6 +81,17 @@ def test_gguf_conversion_of_real_smollm2(smollm2):
     assert not list(ckpt.glob("*.tmp"))
 
 
+def test_a_damaged_gguf_is_one_line(smollm2, tmp_path, capsys):
+    """A GGUF cut short (an interrupted copy) says so, and so does a file that is no GGUF at all; neither writes."""
+    _, gguf = smollm2
+    for name, data, says in (("cut.gguf", gguf.read_bytes()[:50_000_000], "a GGUF file that cannot be read, truncated"),
+                             ("other.gguf", b"PK\x03\x04" + bytes(64), "not a GGUF file (it begins b'PK")):
+        (tmp_path / name).write_bytes(data)
+        msg = run_convert(capsys, "--source", str(tmp_path / name), "--output_dir", str(tmp_path / "o"))
+        assert msg.startswith(f"error: {tmp_path / name}: {says}") and "\n" not in msg, msg
+        assert not (tmp_path / "o").exists()
+
+
 def test_ctrl_c_while_converting_leaves_no_checkpoint(smollm2, tmp_path):
     """Ctrl-C while the GGUF is dequantized and written: one line, exit status 130, no config.json (the mark of a complete
     checkpoint) and no temporary file."""

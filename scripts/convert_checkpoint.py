@@ -439,7 +439,8 @@ def convert_gguf(source: Path):
         with open(source, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
-            raise InputError(f"{source}: not a GGUF file (it begins {magic!r}, a GGUF file b'GGUF')") from None
+            begins = f"it begins {magic!r}; a GGUF file begins b'GGUF'" if magic else "it is empty"
+            raise InputError(f"{source}: not a GGUF file ({begins})") from None
         raise InputError(f"{source}: a GGUF file that cannot be read, truncated or damaged ({e}); fetch or copy it "
                          "again") from None
     arch = gguf_value(reader, "general.architecture")

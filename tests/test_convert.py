@@ -85,7 +85,8 @@ def test_a_damaged_gguf_is_one_line(smollm2, tmp_path, capsys):
     """A GGUF cut short (an interrupted copy) says so, and so does a file that is no GGUF at all; neither writes."""
     _, gguf = smollm2
     for name, data, says in (("cut.gguf", gguf.read_bytes()[:50_000_000], "a GGUF file that cannot be read, truncated"),
-                             ("other.gguf", b"PK\x03\x04" + bytes(64), "not a GGUF file (it begins b'PK")):
+                             ("other.gguf", b"PK\x03\x04" + bytes(64), "not a GGUF file (it begins b'PK"),
+                             ("empty.gguf", b"", "not a GGUF file (it is empty)")):
         (tmp_path / name).write_bytes(data)
         msg = run_convert(capsys, "--source", str(tmp_path / name), "--output_dir", str(tmp_path / "o"))
         assert msg.startswith(f"error: {tmp_path / name}: {says}") and "\n" not in msg, msg

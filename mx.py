@@ -60,6 +60,13 @@ class ElementFormat:
         return 2.0 ** (exp - self.bias) * (1 + man / (1 << self.mbits))
 
     @property
+    def integer_multiple(self) -> int | None:
+        """The power of two M that makes every value an integer of at most 127 in magnitude (E2M3: 8, E2M1: 2, INT8:
+        64), or None (E3M2, E4M3, E5M2): the elements the CPU backend multiplies as integers."""
+        multiple = 64 if not self.ebits else 2 ** (self.bias + self.mbits - 1)
+        return multiple if self.max_normal * multiple <= 127 else None
+
+    @property
     def emax(self) -> int:
         """Exponent of the largest normal, the spec's emax_elem."""
         return math.frexp(self.max_normal)[1] - 1

@@ -51,7 +51,7 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        y = F.linear(round_activations(x, WIDE), self.weight.to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def dequantize(self):
@@ -71,7 +71,7 @@ class Int8Linear(nn.Module):
 
     @staticmethod
     def block(groupsize):
-        return 1
+        return 32  # the inputs that share an activation scale (round_activations)
 
     @classmethod
     def empty(cls, mode, in_features, out_features, bias, groupsize):
@@ -84,16 +84,23 @@ class Int8Linear(nn.Module):
     def keep_outputs(self, index):  # a scale belongs to its output row
         self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
 
-    def keep_inputs(self, start, stop):  # a scale covers every input of its row
+    def keep_inputs(self, start, stop):  # a scale covers every input of its row; inputs are rounded per 32
+        whole_blocks(start, stop, 32, "activation block")
         self.weight = self.weight[:, start:stop].contiguous()
 
 
-def round_activations(x):
-    """The inputs an int4 product multiplies: per block of 32 along the last dimension, q * d with d = max|x| / 127
-    and q = round(x / d) in [-127, 127] (llama.cpp's Q8_0 rounding), so that the CPU backend's int4 products are
-    integer dot products; the reference forward rounds them the same way."""
+# The levels of the inputs an int8 or integer MX product multiplies: 16 bits (8, as int4's, cost those formats
+# +0.4-0.7% perplexity; docs/performance.md).
+WIDE = 32767
+
+
+def round_activations(x, levels=127):
+    """The inputs an integer product multiplies: per block of 32 along the last dimension, q * d with
+    d = max|x| / levels and q = round(x / d) in [-levels, levels]: 127 (llama.cpp's Q8_0 rounding) for int4, WIDE
+    for int8 and the MX formats whose elements are integer multiples. The CPU backend's products of them are then
+    exact integer sums; the reference forwards round the same way."""
     blocks = x.float().unflatten(-1, (-1, 32))
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / levels
     q = torch.where(d > 0, blocks / d, 0).round()
     return (q * d).flatten(-2).to(x.dtype)
 
@@ -170,6 +177,8 @@ class MXLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):
+        if self.fmt.integer_multiple:  # inputs rounded to 16 bits per block, as int8's
+            x = round_activations(x, WIDE)
         y = rowwise_linear(x, self.dequantize, self.weight.shape[0])
         return y if self.bias is None else y + self.bias.to(x.dtype)
 

@@ -55,8 +55,10 @@ def rms(expected, got) -> float:
 
 
 def rounds_inputs(module) -> bool:
-    """Products that round their inputs (int4 to 8 bits, packed MX 6-bit codes to bf16)."""
-    return isinstance(module, quantize.Int4Linear) or getattr(module, "table", None) is not None
+    """Products that round their inputs (int4 to 8 bits, int8 and integer MX elements to 16, packed MX 6-bit codes to
+    bf16)."""
+    return (isinstance(module, (quantize.Int4Linear, quantize.Int8Linear)) or getattr(module, "table", None) is not None
+            or getattr(module, "tiles", None) is not None)
 
 
 def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, bool | str]:

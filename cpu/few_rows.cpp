@@ -1,24 +1,26 @@
 // Few-row products on CPU: y[m, n] = sum_k x[m, k] * w[n, k] for the rows of a decode, draft or verify step
-// (1 to 33 tokens a row, any number of rows), with w stored as bf16, fp32 or int8 (times per-channel or per-block
-// factors), as int4 nibbles (times a per-group scale plus offset, against activations rounded to 8 bits) or as packed
-// MX 6-bit codes (a table of their values, times an E8M0 scale per block of 32); those rows' attention over the KV
-// cache; and a whole step of a Llama-family model, every layer and the LM head, in one call (llama_step). Built at
-// first use by the CPU backend (cpu/kernels.py), as one translation unit of the headers in few_rows/:
+// (1 to 33 tokens a row, any number of rows), with w stored as bf16 or fp32 (times per-channel or per-block factors),
+// as integer codes in column tiles (int4 against activations rounded to 8 bits; int8 and the MX elements that are
+// integer multiples against 16 bits) or as packed MX 6-bit codes (a table of their values, times an E8M0 scale per
+// block of 32); those rows' attention over the KV cache; and a whole step of a Llama-family model, every layer and
+// the LM head, in one call (llama_step). Built at first use by the CPU backend (cpu/kernels.py), as one translation
+// unit of the headers in few_rows/:
 //
 //   lanes.h      16 floats as native vectors, conversions, the horizontal sum, exp, bf16 rounding
 //   tiles.h      the product skeleton: passes of input rows over tiles of weight rows, on every core
-//   dense.h      fp32, bf16 and int8 weights (in pairs)        int4.h   int4 weights, 8-bit activations
-//   fp6.h        MX 6-bit codes as packed                      linear.h every format behind one call
-//   attention.h  a step's rows over the KV cache               step.h   a Llama-family step in one call
+//   dense.h      fp32 and bf16 weights (bf16 in pairs)         columns.h  integer codes in column tiles
+//   fp6.h        MX 6-bit codes as packed, bf16 values         linear.h   every format behind one call
+//   attention.h  a step's rows over the KV cache               step.h     a Llama-family step in one call
 //
 // Why by hand: a step is bound by reading the weights, and every row must get the same arithmetic whatever the
-// number of rows (a verify then computes the logits a decode would). Each tile converts one weight row to float
-// once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order (bf16,
-// and int8 against bf16 inputs: a pair of elements a lane at a time, see Pairs), then in a fixed tree (sum_lanes).
-// GCC/Clang vector extensions, compiled with -march=native; the conversions, the pairs and the int4 integer dot
-// products use AVX-512 (BF16, VNNI) or AVX2 intrinsics where present. Each routine with intrinsics has a scalar
-// reference beside it (<routine>_reference: the same lanes, sums and trees in plain C++), which runs elsewhere and in
-// the build with -DFEW_ROWS_PORTABLE that the tests compare with the build for this CPU bit for bit.
+// number of rows (a verify then computes the logits a decode would). Float weights: each tile converts one weight row
+// to float once, in registers, and multiplies it into every input row; a row's sum runs in 16 lanes over k in order
+// (bf16: a pair of elements a lane at a time, see Pairs), then in a fixed tree (sum_lanes). Integer codes: exact
+// integer sums per block of 32, 16 output columns in the lanes of a vector (columns.h). GCC/Clang vector extensions,
+// compiled with -march=native; the conversions, the pairs and the integer dot products use AVX-512 (BF16, VNNI, VBMI)
+// or AVX2 intrinsics where present. Each routine with intrinsics has a scalar reference beside it
+// (<routine>_reference: the same lanes, sums and trees in plain C++), which runs elsewhere and in the build with
+// -DFEW_ROWS_PORTABLE that the tests compare with the build for this CPU bit for bit.
 // What the design choices measured: docs/performance.md, "few_rows.cpp's design".
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,7 +42,7 @@
 #include "few_rows/lanes.h"
 #include "few_rows/tiles.h"
 #include "few_rows/dense.h"
-#include "few_rows/int4.h"
+#include "few_rows/columns.h"
 #include "few_rows/fp6.h"
 #include "few_rows/linear.h"
 #include "few_rows/attention.h"
@@ -56,9 +58,9 @@ TORCH_LIBRARY(few_rows, m) {
         "Tensor[] weights, Tensor?[] factors, Tensor?[] tables, Tensor?[] biases, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps) -> Tensor");
   m.def("packed_fp6_is_fast() -> bool", [] { return kFastFp6; });
-  m.def("int8_in_pairs() -> bool", [] { return kInt8Pairs; });
+  m.def("fp6_tiles_are_fast() -> bool", [] { return Fp6Codes::VECTOR; });
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("int4_codes(Tensor nibbles) -> Tensor");
+  m.def("int4_codes(Tensor tiles) -> Tensor");
   m.def("stream_read(Tensor buffer) -> int");
 }
 

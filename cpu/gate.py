@@ -29,12 +29,12 @@ KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.
 # fork that edits one gets model.py's path; whoever changes one here updates the kernels, then both hashes
 # (tests/test_cpu.py prints them).
 REPLACED = {"model.Attention.attend": ("acd364298b21851a", "e7f628b8"),
-            "quantize.round_activations": ("23fc0b05f95d32cd", "89c04ddb"),
-            "quantize.Int8Linear.forward": ("53aee6a4dac6f874", "6599e64c"),
+            "quantize.round_activations": ("557dabcc3b770002", "2a62d06d"),
+            "quantize.Int8Linear.forward": ("b27930feeb5bd468", "f99dce03"),
             "quantize.Int8Linear.dequantize": ("8dfc74cf09a780b6", "c67759bf"),
             "quantize.Int4Linear.forward": ("d90a8014854b3f47", "b3a53210"),
             "quantize.Int4Linear.dequantize": ("a62c875a7b90c3fb", "d9b348a1"),
-            "quantize.MXLinear.forward": ("801f44b24116caa7", "37c8039d"),
+            "quantize.MXLinear.forward": ("af03a4058b2c0c9d", "37588596"),
             "quantize.MXLinear.dequantize": ("ae3abfd669e2d04d", "474422a4")}
 
 
@@ -88,9 +88,8 @@ def served(module) -> bool:
     """Whether few_rows.cpp multiplies by this product's weight: on CPU; bf16 or float32 (not fp16) where it is not
     quantized, with in_features a multiple of 16."""
     weight = module.weight
-    if type(module) in (nn.Linear, quantize.Int8Linear):
-        return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32, torch.int8)
-                and weight.shape[1] % 16 == 0)
+    if type(module) is nn.Linear:
+        return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32) and weight.shape[1] % 16 == 0
     return weight.device.type == "cpu"
 
 

@@ -173,11 +173,11 @@ def load() -> bool:
         return False
     # Shapes for torch.compile, which traces without running the kernels.
     def rows_by_outputs(x, weight, factors=None, table=None):
-        return x.new_empty(x.shape[0], weight.shape[0])
+        return x.new_empty(x.shape[0], outputs(weight))
     torch.library.register_fake("few_rows::product")(rows_by_outputs)
     torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
     torch.library.register_fake("few_rows::llama_step")(
-        lambda tokens, positions, embeddings, *rest: embeddings.new_empty(*tokens.shape, rest[3][-1].shape[0]))
+        lambda tokens, positions, embeddings, *rest: embeddings.new_empty(*tokens.shape, outputs(rest[3][-1])))
     loaded = True
     return True
 
@@ -187,13 +187,22 @@ def step_rows(x) -> bool:
     return x.dim() >= 2 and x.shape[-2] <= STEP_TOKENS
 
 
+TILE = 16  # output columns a column tile holds (few_rows/columns.h)
+
+
+def outputs(weight) -> int:
+    """The output features of a weight as few_rows.cpp takes it: [N, ...], or column tiles [N / 16, K / 32, bytes]."""
+    return weight.shape[0] * TILE if weight.dim() == 3 else weight.shape[0]
+
+
 def product(x, weight, factors=None, table=None):
     """x [..., K] @ (weight [N, K] x factors).T in float32; factors: [N] or [N, K / block]. With a table
-    (packed MX 6-bit codes): weight holds the codes of the table's values, factors their E8M0 scales. bf16 x stays
-    bf16: int8 codes then multiply it in pairs, as bf16 weights do."""
+    (packed MX 6-bit codes): weight holds the codes of the table's values, factors their E8M0 scales. Integer codes:
+    weight holds column tiles (cpu.modules.int4_tiles, int8_tiles, fp6_tiles), the factors laid out by tiles too;
+    x is rounded as quantize.round_activations rounds it."""
     rows = x.reshape(-1, x.shape[-1])
     rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
-    return torch.ops.few_rows.product(rows, weight, factors, table).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.few_rows.product(rows, weight, factors, table).view(*x.shape[:-1], outputs(weight))
 
 
 # Without native bf16 (AVX2), the CPU runs a 16-bit GEMM several times slower than a float32 one, conversions

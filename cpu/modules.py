@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import model
 import mx
 import quantize
-from cpu.kernels import STEP_TOKENS, many_rows, product, step_rows
+from cpu.kernels import STEP_TOKENS, TILE, many_rows, product, step_rows
 
 
 class Linear(nn.Linear):
@@ -31,67 +31,101 @@ class Linear(nn.Linear):
         return many_rows(x, self.weight, self.bias)
 
 
-class Int8Linear(quantize.Int8Linear):
-    """int8 codes converted to float in registers, times the per-channel scale once per output."""
+def padded(t, n):
+    """t [n0, ...] with rows of zeros after its own up to n (the outputs that fill a column tile)."""
+    return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
 
-    def prepare(self):
-        # float32 once at load: converting per call would cost a kernel launch per layer per step
-        self.scale_factors = self.scales.float()
+
+def whole_tiles(n):
+    return -(-n // TILE) * TILE
+
+
+def int8_tiles(codes):
+    """few_rows.cpp's int8 column tiles (few_rows/columns.h) from codes [N, K] (int8): [N / 16, K / 32, 512] (N rounded
+    up to whole tiles with zeros), where tile T's block b holds 16 pairs of 32 bytes, byte 2c + j of pair p the code of
+    column 16T + c at k = 32b + 2p + j."""
+    codes = padded(codes, whole_tiles(codes.shape[0]))
+    n, k = codes.shape
+    return codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
+
+
+def block_tiles(factors):
+    """Per-block factors [N, K / 32] (float32 or E8M0 bytes) as the tiles read them: [N / 16, K / 32, 16]."""
+    factors = padded(factors, whole_tiles(factors.shape[0]))
+    return factors.view(-1, 16, factors.shape[1]).transpose(1, 2).contiguous()
+
+
+def fp6_tiles(codes):
+    """few_rows.cpp's MX 6-bit column tiles from codes [N, K] (0..63): [N / 16, K / 32, 384], where tile T's block b
+    holds 8 quads of 48 bytes, each 64 codes packed as mx.pack packs them, code 32h + 2c + j of quad t being column
+    16T + c's at k = 32b + 4t + 2h + j."""
+    codes = padded(codes, whole_tiles(codes.shape[0]))
+    n, k = codes.shape
+    quads = codes.view(n // 16, 16, k // 32, 8, 2, 2).permute(0, 2, 3, 4, 1, 5).reshape(n // 16, k // 32, 8, 64)
+    return mx.pack(quads, 6).reshape(n // 16, k // 32, 384)
+
+
+class Int8Linear(quantize.Int8Linear):
+    """int8 codes in column tiles times each input row rounded to 16 bits per block of 32 (round_activations(x,
+    WIDE)): exact integer sums, then each block's d and the column's scale (few_rows/columns.h). Every number of rows,
+    a prompt's too."""
+
+    def prepare(self, rows=1024):
+        n, k = self.weight.shape
+        self.tiles = torch.empty(whole_tiles(n) // 16, k // 32, 512, dtype=torch.int8)  # filled a few rows at a time
+        for i in range(0, n, rows):
+            part = int8_tiles(self.weight[i:i + rows])
+            self.tiles[i // 16:i // 16 + part.shape[0]] = part
+        self.scale_factors = padded(self.scales.float(), whole_tiles(n)).view(-1, TILE)  # by tiles, as stacked
 
     def operands(self):
-        return self.weight, self.scale_factors, None
+        return self.tiles, self.scale_factors, None
 
-    def use_operands(self, weight, factors):
-        self.weight, self.scale_factors = weight, factors
+    def use_operands(self, tiles, scale_factors):
+        self.tiles, self.scale_factors = tiles, scale_factors
 
     def forward(self, x):
-        y = product(x, self.weight, self.scale_factors) if step_rows(x) else many_rows(x, self.dequantize())
+        y = product(x, self.tiles, self.scale_factors)[..., :self.weight.shape[0]]  # rounds x as round_activations
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
-def int4_layout(codes, scales_and_zeros):
-    """few_rows.cpp's int4 layout from the file's: codes [N, K] (0..15) with byte j of each 32 holding code j of
-    each 64 in its low nibble and code 32 + j in its high one (a mask and a shift unpack two blocks of 32 codes
-    into bytes; a last lone block of 32: byte j of 16 holds codes j and 16 + j), and float32
-    (scale, zero - 8 * scale) per group [N, K / g, 2]: w = q * scale + offset."""
+def int4_tiles(codes, scales_and_zeros):
+    """few_rows.cpp's int4 column tiles (few_rows/columns.h) from the file's codes [N, K] (0..15) and bf16 (scale,
+    zero) [K / g, N, 2]: codes [N / 16, K / 32, 256], where tile T's block b holds 4 quarters of 64 bytes, byte 4c + j
+    of quarter t the codes of column 16T + c at k = 32b + 8t + j (low nibble) and 32b + 8t + 4 + j (high nibble);
+    factors [N / 16, K / g, 2, 16], per tile and group the 16 columns' scales, then their zeros (the file's values)."""
     n, k = codes.shape
-    whole = k // 64 * 64
-    pairs = [codes[:, :whole].reshape(n, -1, 2, 32)] + ([codes[:, whole:].reshape(n, 1, 2, 16)] if k > whole else [])
-    nibbles = torch.cat([(p[:, :, 0] | p[:, :, 1] << 4).flatten(1) for p in pairs], 1)
-    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)
-    return nibbles, torch.stack([scales, zeros - 8 * scales], -1).contiguous()
+    quads = codes.view(n // 16, 16, k // 32, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # tile, block, t, c, j, nibble
+    tiles = (quads[..., 0] | quads[..., 1] << 4).reshape(n // 16, k // 32, 256)
+    factors = scales_and_zeros.view(-1, n // 16, 16, 2).permute(1, 0, 3, 2)  # tile, group, (scale, zero), c
+    return tiles, factors.contiguous()
 
 
 class Int4Linear(quantize.Int4Linear):
-    """int4 codes multiplied as integers: each input row rounded to 8 bits per block of 32 (round_activations), a
-    block of 32 codes times 32 inputs one exact integer dot product, then the group's scale and offset: faster than
-    converting the codes to float or to the int8 layout, and than aten's int4 kernel, whose verify costs several
-    decode steps (docs/performance.md, "Numbers behind the code's choices")."""
+    """int4 codes multiplied as integers, in column tiles: each input row rounded to 8 bits per block of 32
+    (round_activations), 16 output columns' codes times 4 inputs in one instruction, exact integer sums, then each
+    block's and group's factors (few_rows/columns.h). Every number of rows, a prompt's too: a tile is read once from
+    memory for all of them."""
 
     def prepare(self, rows=1024):
         n, k = self.weight.shape[0], 2 * self.weight.shape[1]
-        self.nibbles = torch.empty(n, k // 2, dtype=torch.uint8)  # filled in place, a few rows at a time
-        self.group_factors = torch.empty(n, k // self.groupsize, 2)
+        self.tiles = torch.empty(n // 16, k // 32, 256, dtype=torch.uint8)  # filled in place, a few rows at a time
+        self.tile_factors = torch.empty(n // 16, k // self.groupsize, 2, 16, dtype=torch.bfloat16)
         for i in range(0, n, rows):
-            self.nibbles[i:i + rows], self.group_factors[i:i + rows] = int4_layout(
+            self.tiles[i // 16:(i + rows) // 16], self.tile_factors[i // 16:(i + rows) // 16] = int4_tiles(
                 mx.unpack(self.weight[i:i + rows], 4), self.scales_and_zeros[:, i:i + rows])
 
     def operands(self):
-        return self.nibbles, self.group_factors, None
+        return self.tiles, self.tile_factors, None
 
-    def use_operands(self, nibbles, group_factors):
-        self.nibbles, self.group_factors = nibbles, group_factors
+    def use_operands(self, tiles, tile_factors):
+        self.tiles, self.tile_factors = tiles, tile_factors
 
     def forward(self, x):
-        if step_rows(x):
-            y = product(x, self.nibbles, self.group_factors)  # rounds x as round_activations does
-            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        y = many_rows(quantize.round_activations(x), self.dequantize())
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        y = product(x, self.tiles, self.tile_factors)  # rounds x as round_activations does
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
-# Element formats whose every value is an integer multiple of 1/MULTIPLE with |value * MULTIPLE| <= 127.
-INT8_EXACT = {"fp6_e2m3": 8, "fp4_e2m1": 2, "int8": 64}
 code_tables = {}
 
 
@@ -102,10 +136,19 @@ def code_table(fmt: mx.ElementFormat) -> torch.Tensor:
     return code_tables[fmt.name]
 
 
+def integer_table(fmt: mx.ElementFormat) -> torch.Tensor:
+    """The 6-bit tiles' table: int16 [65], the 64 codes' values times the format's multiple, then log2 of it."""
+    if ("integer", fmt.name) not in code_tables:
+        multiple = fmt.integer_multiple
+        values = (code_table(fmt).float() * multiple).short()
+        code_tables["integer", fmt.name] = torch.cat([values, torch.tensor([multiple.bit_length() - 1], dtype=torch.short)])
+    return code_tables["integer", fmt.name]
+
+
 def expand(codes, scales, fmt, rows=256):
     """Packed MX codes [N, K * bits / 8] and their E8M0 scales -> (values [N, K], a float32 factor per block of 32):
     exact int8 multiples (value * 8, * 2, * 64 for E2M3, E2M1, INT8) or bf16 (E3M2, E4M3)."""
-    multiple = INT8_EXACT.get(fmt.name)
+    multiple = fmt.integer_multiple
     n, k = codes.shape[0], scales.shape[1] * mx.BLOCK
     # Filled in place a few rows at a time: no full float32 copy, and no result chunks interleaved with freed
     # temporaries on the heap (which keeps the heap from giving them back).
@@ -117,34 +160,52 @@ def expand(codes, scales, fmt, rows=256):
 
 
 class MXLinear(quantize.MXLinear):
-    """OCP MX. On a CPU with AVX512_VBMI and AVX512_BF16, few_rows.cpp reads 6-bit codes (E2M3, E3M2) as the file
-    packs them, 6.25 bits per weight with the scales, faster than the codes expanded to int8. Elsewhere, and for the
-    other formats, `prepare` expands the codes once:
-    E2M3, E2M1 and INT8 to exact int8 multiples (value * 8, * 2, * 64), E3M2 and E4M3 to bf16 (exact), with one
-    float32 factor per block, which few_rows.cpp multiplies in; a step then reads 8 (or 16) bits per weight plus 1
-    for the factors. (Unpacking in plain vector code did not pay: FP4 expanded in registers by a 16-entry byte
-    shuffle was slower than the int8 expansion.)"""
+    """OCP MX. The elements that are integer multiples (E2M3, E2M1, INT8: value * 8, * 2, * 64 within int8) multiply
+    each input row rounded to 16 bits per block as integers, in column tiles (few_rows/columns.h): E2M3 as the file
+    packs its codes, 6.25 bits per weight with the scales, on a CPU with AVX512_VBMI (a byte permute and a 64-word
+    permute unpack them); elsewhere, and E2M1 and INT8, expanded to int8 at load (8 bits, plus a float32 factor per
+    block). E3M2 with AVX512_VBMI and AVX512_BF16: packed codes through a bf16 table, times the inputs in bf16 pairs;
+    else, and E4M3: expanded to bf16 at load (exact), times a float32 factor per block."""
 
-    def prepare(self):
-        self.values = self.block_factors = self.table = None
-        if self.fmt.bits == 6 and torch.ops.few_rows.packed_fp6_is_fast():
+    def prepare(self, rows=1024):
+        self.tiles = self.tile_factors = self.values = self.block_factors = self.table = None
+        n, k = self.weight.shape[0], self.scales.shape[1] * mx.BLOCK
+        if self.fmt.integer_multiple and self.fmt.bits == 6 and torch.ops.few_rows.fp6_tiles_are_fast():
+            self.tiles = torch.empty(whole_tiles(n) // 16, k // 32, 384, dtype=torch.uint8)
+            for i in range(0, n, rows):
+                part = fp6_tiles(mx.unpack(self.weight[i:i + rows], 6))
+                self.tiles[i // 16:i // 16 + part.shape[0]] = part
+            self.tile_factors, self.table = block_tiles(self.scales), integer_table(self.fmt)
+        elif self.fmt.integer_multiple:
+            self.tiles = torch.empty(whole_tiles(n) // 16, k // 32, 512, dtype=torch.int8)
+            for i in range(0, n, rows):
+                part = int8_tiles(expand(self.weight[i:i + rows], self.scales[i:i + rows], self.fmt)[0])
+                self.tiles[i // 16:i // 16 + part.shape[0]] = part
+            self.tile_factors = block_tiles(mx.scale_values(self.scales) / self.fmt.integer_multiple)
+        elif self.fmt.bits == 6 and torch.ops.few_rows.packed_fp6_is_fast():
             self.table = code_table(self.fmt)
         else:
             self.values, self.block_factors = expand(self.weight, self.scales, self.fmt)
 
-    def operands(self):  # the packed codes and their scales, or the expanded codes and their factors
+    def operands(self):  # tiles and their factors, the packed codes and their scales, or the expanded codes
+        if self.tiles is not None:
+            return self.tiles, self.tile_factors, self.table
         if self.table is not None:
             return self.weight, self.scales, self.table
         return self.values, self.block_factors, None
 
     def use_operands(self, weight, factors):
-        if self.table is not None:
+        if self.tiles is not None:
+            self.tiles, self.tile_factors = weight, factors
+        elif self.table is not None:
             self.weight, self.scales = weight, factors
         else:
             self.values, self.block_factors = weight, factors
 
     def forward(self, x):
-        if self.table is not None:  # packed codes, 16 rows a call (a prompt's rows: about as fast as int8's GEMM)
+        if self.tiles is not None:  # any number of rows; x rounded as round_activations(x, WIDE)
+            y = product(x, self.tiles, self.tile_factors, self.table)[..., :self.weight.shape[0]]
+        elif self.table is not None:  # packed codes, 16 rows a call (a prompt's rows: about as fast as int8's GEMM)
             rows = x.reshape(-1, x.shape[-1]).split(16)
             parts = [product(part, self.weight, self.scales, self.table) for part in rows]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], -1)

@@ -3,7 +3,7 @@ step that runs every layer in C++ (OneCallStep)."""
 import torch
 
 import model
-from cpu.kernels import STEP_TOKENS
+from cpu.kernels import STEP_TOKENS, outputs
 
 
 class Stack:
@@ -46,7 +46,8 @@ class Stack:
             return False
         (w0, f0, _), b0 = operands[0], products[0].bias is None
         return all(w.dtype == w0.dtype and w.shape[1:] == w0.shape[1:] and (f is None) == (f0 is None) and
-                   (f is None or f.shape[1:] == f0.shape[1:]) and (p.bias is None) == b0
+                   (f is None or f.shape[1:] == f0.shape[1:]) and (p.bias is None) == b0 and
+                   outputs(w) == p.weight.shape[0]  # column tiles without padding
                    for (w, f, _), p in zip(operands, products))
 
 

@@ -3,13 +3,13 @@ import backend
 import model
 from checkpoint import release_file_pages
 from cpu.gate import ONE_CALL, edited, one_call_possible
-from cpu.kernels import STEP_TOKENS
+from cpu.kernels import STEP_TOKENS, outputs
 from cpu.huge_pages import HugePages, move_to_huge_pages
 from cpu.modules import PRODUCTS, Attention
 from cpu.one_call import OneCallStep, Stack
 
 # The attributes the backend's modules add: restore drops them.
-RUNTIME = ("scale_factors", "nibbles", "group_factors", "values", "block_factors", "table")
+RUNTIME = ("tiles", "tile_factors", "scale_factors", "values", "block_factors", "table")
 MAX_VERIFY_TOKENS = STEP_TOKENS  # a step of more tokens a row goes to PyTorch's GEMM, which rounds otherwise
 
 
@@ -50,8 +50,9 @@ def serve(transformer, products, mapped, one_call=True) -> list:
         release_file_pages(mapped[n] for n in names)
     if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding
         transformer.tok_embeddings.weight = transformer.output.weight
-    if one_call:
-        transformer.forward = OneCallStep(transformer, step_products + [transformer.output])
+    head = transformer.output
+    if one_call and outputs(head.operands()[0]) == head.weight.shape[0]:  # a head padded to whole tiles: no
+        transformer.forward = OneCallStep(transformer, step_products + [head])
     return originals
 
 

@@ -155,32 +155,35 @@ def test_a_step_runs_in_one_call_only_where_it_can():
 def few_rows_cases():
     """Each weight layout few_rows.cpp reads: (product of x [M, 1536] (some cases: its first 1504 or 1520
     columns), the float weight it stands for, the inputs it multiplies: x itself, x rounded to bf16 for bf16
-    weights without block factors when in_features is a multiple of 32 and for packed MX 6-bit codes, or for int4
-    x rounded to 8 bits per block of 32)."""
+    weights without block factors when in_features is a multiple of 32 and for packed MX 6-bit codes, for int4
+    x rounded to 8 bits per block of 32, for int8 and MX E2M3 tiles to 16 bits)."""
     torch.manual_seed(0)
     n, k = 203, 1536  # n not a multiple of the 16 weight rows product() hands each tile call
+    n_tiles = 208
     w = torch.randn(n, k)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     per_channel, per_block = torch.rand(n) + 0.5, torch.rand(n, k // 32) + 0.5
     import quantize
-    from cpu.modules import int4_layout
-    int4 = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scales_and_zeros = torch.stack([torch.rand(k // 64, n) + 0.5, torch.randn(k // 64, n)], -1).bfloat16()
-    nibbles, group_factors = int4_layout(int4, scales_and_zeros)
-    scale, offset = (t.repeat_interleave(64, 1) for t in group_factors.unbind(-1))
-    # groups of 32 and an odd number of 32-element blocks: the last one alone in its 16 bytes
+    from cpu.modules import block_tiles, fp6_tiles, int4_tiles, int8_tiles, integer_table, padded
+    int4 = torch.randint(0, 16, (n_tiles, k), dtype=torch.uint8)  # int4 tiles hold 16 output columns each
+    scales_and_zeros = torch.stack([torch.rand(k // 64, n_tiles) + 0.5, torch.randn(k // 64, n_tiles)], -1).bfloat16()
+    tiles, tile_factors = int4_tiles(int4, scales_and_zeros)
+    scale, zero = (t.float().T.repeat_interleave(64, 1) for t in scales_and_zeros.unbind(-1))
+    # groups of 32 and an odd number of 32-element blocks
     int4_odd = int4[:, :-32].contiguous()
-    odd_nibbles, odd_factors = int4_layout(int4_odd, torch.stack(
-        [torch.rand(k // 32 - 1, n) + 0.5, torch.randn(k // 32 - 1, n)], -1).bfloat16())
-    odd_scale, odd_offset = (t.repeat_interleave(32, 1) for t in odd_factors.unbind(-1))
+    odd_factors = torch.stack([torch.rand(k // 32 - 1, n_tiles) + 0.5, torch.randn(k // 32 - 1, n_tiles)], -1).bfloat16()
+    odd_tiles, odd_tile_factors = int4_tiles(int4_odd, odd_factors)
+    odd_scale, odd_zero = (t.float().T.repeat_interleave(32, 1) for t in odd_factors.unbind(-1))
     import mx
     fp6 = torch.randint(0, 64, (n, k), dtype=torch.uint8)
     e8m0 = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8)
     packed = {f: (mx.pack(fp6, 6), code_table(mx.FORMATS[f]), mx.dequantize(fp6, e8m0, mx.FORMATS[f]))
               for f in ("fp6_e2m3", "fp6_e3m2")}
+    e2m3 = mx.FORMATS["fp6_e2m3"]
     x = torch.randn(33, k)  # up to a verify of K = 32
     x[3, 32:64] = 0  # an all-zero block
     same = lambda x: x  # noqa: E731
+    wide = lambda x: quantize.round_activations(x, quantize.WIDE)  # noqa: E731
     return x, {
         # MX 6-bit codes as packed in the file, one E8M0 scale per 32; inputs rounded to bf16, as for bf16 pairs
         **{f"{f} packed": (lambda x, c=c, t=t: product(x, c, e8m0, t), w,
@@ -201,22 +204,27 @@ def few_rows_cases():
                               w[:, :-16].bfloat16().float(), lambda x: x[:, :-16]),
         "bf16 x block": (lambda x: product(x, w.bfloat16(), per_block),
                          w.bfloat16().float() * per_block.repeat_interleave(32, 1), same),
-        "int8 x channel": (lambda x: product(x, codes, per_channel), codes * per_channel[:, None],
-                           same),
-        "int8 x block": (lambda x: product(x, codes, per_block),
-                         codes * per_block.repeat_interleave(32, 1), same),
-        # bf16 inputs (a bf16 model's): int8 codes as bf16 values in pairs, as bf16 weights
-        "int8 x channel, bf16 inputs": (lambda x: product(x.bfloat16(), codes, per_channel),
-                                        codes * per_channel[:, None], lambda x: x.bfloat16().float()),
-        "int8, bf16 inputs": (lambda x: product(x.bfloat16(), codes), codes.float(), lambda x: x.bfloat16().float()),
-        "int8 x channel, bf16 inputs, K % 32 = 16": (
-            lambda x: product(x[:, :-16].bfloat16(), codes[:, :-16].contiguous(), per_channel),
-            codes[:, :-16] * per_channel[:, None], lambda x: x[:, :-16].bfloat16().float()),
-        "int4 x group": (lambda x: product(x, nibbles, group_factors), int4 * scale + offset,
+        # int8 codes in column tiles (203 outputs: the last tile padded), inputs rounded to 16 bits per block
+        "int8 x channel": (lambda x: product(x, int8_tiles(codes), padded(per_channel, 208).view(-1, 16))[:, :n],
+                           codes * per_channel[:, None], wide),
+        "int8 x block": (lambda x: product(x, int8_tiles(codes), block_tiles(per_block))[:, :n],
+                         codes * per_block.repeat_interleave(32, 1), wide),
+        "int8 x channel, bf16 inputs": (lambda x: product(x.bfloat16(), int8_tiles(codes), padded(per_channel, 208).view(-1, 16))[:, :n],
+                                        codes * per_channel[:, None], lambda x: wide(x.bfloat16().float())),
+        "int8 x channel, K % 64 = 32": (
+            lambda x: product(x[:, :-32].contiguous(), int8_tiles(codes[:, :-32]), padded(per_channel, 208).view(-1, 16))[:, :n],
+            codes[:, :-32] * per_channel[:, None], lambda x: wide(x[:, :-32])),
+        # MX E2M3 codes in 6-bit column tiles with their E8M0 scales (and the same values as int8 tiles: the same bits)
+        "fp6_e2m3 tiles": (lambda x: product(x, fp6_tiles(fp6), block_tiles(e8m0), integer_table(e2m3))[:, :n],
+                           packed["fp6_e2m3"][2], wide),
+        "fp6_e2m3 as int8 tiles": (
+            lambda x: product(x, int8_tiles((mx.decode_elements(fp6, e2m3) * 8).to(torch.int8)),
+                              block_tiles(mx.scale_values(e8m0) / 8))[:, :n], packed["fp6_e2m3"][2], wide),
+        "int4 x group": (lambda x: product(x, tiles, tile_factors), (int4 - 8.0) * scale + zero,
                          quantize.round_activations),
         "int4 x group of 32, K % 64 = 32": (
-            lambda x: product(x[:, :-32].contiguous(), odd_nibbles, odd_factors),
-            int4_odd * odd_scale + odd_offset, lambda x: quantize.round_activations(x[:, :-32])),
+            lambda x: product(x[:, :-32].contiguous(), odd_tiles, odd_tile_factors),
+            (int4_odd - 8.0) * odd_scale + odd_zero, lambda x: quantize.round_activations(x[:, :-32])),
     }
 
 
@@ -259,16 +267,15 @@ def test_few_rows_kernels_match_float64_and_give_every_row_the_same_arithmetic()
 
 
 def test_the_int4_layout_round_trips_between_python_and_the_kernels():
-    """The int4 runtime layout is written once, by cpu.modules.int4_layout; few_rows.cpp's reader (Int4Weight::code,
-    what the scalar reference multiplies) gives back every code in place, for whole 64-code chunks and a lone last
-    block of 32."""
+    """The int4 column tiles are written once, by cpu.modules.int4_tiles; few_rows.cpp's reader (Int4Tiles::code, what
+    the scalar reference multiplies) gives back every code in place, for even and odd numbers of 32-code blocks."""
     assert kernels.load()
-    from cpu.modules import int4_layout
+    from cpu.modules import int4_tiles
     torch.manual_seed(0)
-    for k in (64, 96, 1536, 1504):
-        codes = torch.randint(0, 16, (5, k), dtype=torch.uint8)
-        nibbles, _ = int4_layout(codes, torch.zeros(k // 32, 5, 2, dtype=torch.bfloat16))
-        assert torch.equal(torch.ops.few_rows.int4_codes(nibbles), codes), k
+    for k in (32, 96, 1536, 1504):
+        codes = torch.randint(0, 16, (48, k), dtype=torch.uint8)
+        tiles, _ = int4_tiles(codes, torch.zeros(k // 32, 48, 2, dtype=torch.bfloat16))
+        assert torch.equal(torch.ops.few_rows.int4_codes(tiles), codes), k
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -424,9 +431,8 @@ def test_kernel_builds_are_keyed_by_their_source():
                     reason="needs an x86 CPU with AVX2")
 def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
     """few_rows.cpp built for AVX2 (16-lane sums in two 256-bit vectors, its own tile shapes) gives the same bits
-    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too;
-    except int8 codes against bf16 inputs where this CPU multiplies them in pairs (vdpbf16ps), which AVX2 does not.
-    Built in an empty cache, it says so in one line with the time it took; loaded again, it says nothing."""
+    as the build for this CPU (products and attention), so on an AVX-512 machine its AVX2 code is exercised too
+    (integer tiles: vpmaddubsw and vpmaddwd where this CPU has vpdpbusd and vpdpwssd). Built in an empty cache, it says so in one line with the time it took; loaded again, it says nothing."""
     assert kernels.load()
     out = tmp_path / "avx2.pt"
     root = str(ROOT)
@@ -439,10 +445,8 @@ def test_few_rows_avx2_build_gives_the_native_build_bits(tmp_path):
                            env=env, check=True, timeout=600)
     assert again.stderr == ""
     avx2, native = torch.load(out), few_rows_outputs()
-    in_pairs = torch.ops.few_rows.int8_in_pairs()
     for case, y in native.items():
-        if not (in_pairs and "int8" in case[0] and "bf16 inputs" in case[0]):
-            assert torch.equal(avx2[case], y), case
+        assert torch.equal(avx2[case], y), case
 
 
 def step_outputs():

@@ -87,7 +87,7 @@ def test_model_py_imports_torch_and_the_standard_library_only():
 
 
 # What the backends keep in their modules; outside them, callers read backend.report(model).
-BACKEND_INTERNALS = {"eager_steps", "operands", "step_operands", "scale_factors", "group_factors", "nibbles", "packed",
+BACKEND_INTERNALS = {"eager_steps", "operands", "step_operands", "scale_factors", "tile_factors", "tiles", "packed",
                      "OneCallStep", "TinyGemmInt4Linear"}
 
 

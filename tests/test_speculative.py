@@ -302,7 +302,7 @@ def test_the_draft_copy_never_replaces_a_users_file(smollm2, tmp_path):
 
 
 def test_draft_quantize_flag(tiny, tmp_path):
-    """The form a draft ran in is in --json; a draft too small for int4's groups runs as it is under auto, and asked
+    """The form a draft ran in is in --json; a draft int4 does not fit (its groups, its 16s) runs as it is under auto, and asked
     for int4 it is one line; the flag without a draft model, or of an unknown form, is one line."""
     from loading import quantize_fits
     ckpt, _ = tiny("llama_gqa_tied")
@@ -317,8 +317,8 @@ def test_draft_quantize_flag(tiny, tmp_path):
     assert_one_line_error(cli(*args, "--draft_quantize", "int3"), "--draft_quantize int3: unknown")
     copy = draft / "model.int4.safetensors"
     assert_one_line_error(cli(*args[:3], copy, *args[4:], "--draft_quantize", "int8"), "is already int4")
-    small = ModelArgs(vocab_size=256, dim=48, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
-                      max_seq_len=64)
+    small = ModelArgs(vocab_size=250, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                      max_seq_len=64)  # a head of 250 outputs: not whole 16s, as int4 needs them
     assert not quantize_fits(small, "int4") and quantize_fits(small, "int8")
 
 

@@ -1,4 +1,4 @@
-// Products with fp32, bf16 and int8 weights (DenseWeight, Pairs).
+// Products with fp32 and bf16 weights (DenseWeight, Pairs).
 #pragma once
 
 namespace {
@@ -26,29 +26,18 @@ struct DenseWeight {
   Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
 };
 
-// bf16 weights, or int8 codes where the activations are bf16 values (a bf16 model's), without block factors, times
-// the activations rounded to bf16, in pairs: lane i of 16 adds the exact products of elements 2i + 1, then 2i, of
-// each 32 along k, each with one rounding (a fused multiply-add). That is AVX512_BF16's vdpbf16ps, one instruction
-// per 32 weights and input row, where converting the weights and two FMAs took three (Zen 4 runs a 512-bit FMA as
-// two halves): see tile(Pairs). int8 codes are bf16 values exactly, converted in registers once for all the rows
-// of a pass, so a verify's rows cost what bf16's do. Other CPUs get the same sums from the two halves of each pair
-// as floats. (The instruction also flushes denormal operands and results to zero; the two agree unless a weight,
-// an input or a partial sum is below 1.2e-38 in magnitude.)
-template <class T, Factors F>  // T: uint16_t (bf16) or int8_t; F: None or Rows
+// bf16 weights without block factors times the activations rounded to bf16, in pairs: lane i of 16 adds the exact
+// products of elements 2i + 1, then 2i, of each 32 along k, each with one rounding (a fused multiply-add). That is
+// AVX512_BF16's vdpbf16ps, one instruction per 32 weights and input row, where converting the weights and two FMAs
+// took three (Zen 4 runs a 512-bit FMA as two halves): see tile(Pairs). Other CPUs get the same sums from the two
+// halves of each pair as floats. (The instruction also flushes denormal operands and results to zero; the two agree
+// unless a weight, an input or a partial sum is below 1.2e-38 in magnitude.)
+template <Factors F>  // F: None or Rows
 struct Pairs {
-  const T* w;  // [N, K]
+  const uint16_t* w;  // [N, K]
   const float* factors;
   float finish(int64_t n, float sum) const { return F == Rows ? sum * factors[n] : sum; }
 };
-
-// int8 codes take bf16 inputs in pairs where the CPU has vdpbf16ps; elsewhere emulating the pairs cost more than
-// converting the codes to float (docs/performance.md). The CPU decides, not the build's intrinsics, so the portable
-// build computes what the native one does; an AVX2 build on the same CPU does not (its int8 sums differ).
-#if defined(__AVX512BF16__)
-constexpr bool kInt8Pairs = true;
-#else
-constexpr bool kInt8Pairs = false;
-#endif
 
 // The input rows [M, K] as tile(Pairs) reads them: bf16 in order for vdpbf16ps; elsewhere floats, each 32
 // along k stored as its 16 odd elements, then its 16 even ones (lane i: elements 2i + 1 and 2i).
@@ -92,11 +81,6 @@ inline void pair_halves_reference(const uint16_t* p, f32x16& high, f32x16& low) 
 #if FR_AVX512BF16
 // 32 weights from p as bf16 in order, the operand of vdpbf16ps.
 inline __m512bh bf16_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh bf16_pairs(const int8_t* p) {
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + L))));
-  return _mm512_cvtne2ps_pbh(high, low);
-}
 #else
 // pair_halves_reference with intrinsics.
 inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
@@ -115,14 +99,6 @@ inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
 #endif
 }
 
-// The same for 32 int8 codes, in the portable build only: elsewhere without vdpbf16ps int8 takes no pairs
-// (kInt8Pairs).
-inline void pair_halves(const int8_t* p, f32x16& high, f32x16& low) {
-  for (int j = 0; j < L; j++) {
-    high.part[j / W][j % W] = p[2 * j + 1];
-    low.part[j / W][j % W] = p[2 * j];
-  }
-}
 #endif
 
 // R input rows (up to RowsPerPass) times weight rows n0 .. n1 - 1, one pass over each weight row, streaming one
@@ -165,16 +141,16 @@ struct RowsPerPass<DenseWeight<T, F>> {
 // The same in pairs (Pairs), x from pair_inputs: 32 weights a step, one vdpbf16ps per input row where the CPU has
 // it. At 2 rows and more a second prefetch, into L2 and 16 KB ahead (AVX512_BF16 only, where it was measured): the
 // stream otherwise waited on memory and on the multiply-adds in turn.
-template <int R, class T, Factors F>
-__attribute__((noinline)) void tile(const Pairs<T, F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
+template <int R, Factors F>
+__attribute__((noinline)) void tile(const Pairs<F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
                                     int64_t n1, float* y) {
   for (int64_t n = n0; n < n1; n++) {
     f32x16 acc[R];
     for (int r = 0; r < R; r++)
       for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
-    const T* row = weight.w + n * K;
+    const uint16_t* row = weight.w + n * K;
     for (int64_t k = 0; k < K; k += 2 * L) {
-      const T* p = row + k;
+      const uint16_t* p = row + k;
       __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES);
 #if FR_AVX512BF16
       if (R >= 2) __builtin_prefetch(reinterpret_cast<const char*>(p) + 16384, 0, 2);  // to L2: see above
@@ -208,19 +184,17 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<a
                                         block_shift(K, per_row, "factors")}, xp, M, K, N);
 }
 
-// bf16 weights, or int8 codes against bf16 inputs: in pairs (Pairs) when no block factor scales them and K is a
-// multiple of 32.
-template <class T>
+// bf16 weights: in pairs (Pairs) when no block factor scales them and K is a multiple of 32.
 at::Tensor pairs(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  const T* codes = reinterpret_cast<const T*>(w.data_ptr());
-  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<T>(x, w, factors);
+  const uint16_t* codes = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<uint16_t>(x, w, factors);
   const at::Tensor inputs = pair_inputs(x.data_ptr<float>(), M, K);
   const PairInput* xp = reinterpret_cast<const PairInput*>(inputs.data_ptr());
-  if (!factors) return product(Pairs<T, None>{codes, nullptr}, xp, M, K, N);
+  if (!factors) return product(Pairs<None>{codes, nullptr}, xp, M, K, N);
   TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
               "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
-  return product(Pairs<T, Rows>{codes, factors->data_ptr<float>()}, xp, M, K, N);
+  return product(Pairs<Rows>{codes, factors->data_ptr<float>()}, xp, M, K, N);
 }
 
 }  // namespace

@@ -42,6 +42,11 @@ namespace {
 #else
 #define FR_AVX512VNNI 0
 #endif
+#if defined(__AVX512BW__) && !defined(FEW_ROWS_PORTABLE)
+#define FR_AVX512BW 1
+#else
+#define FR_AVX512BW 0
+#endif
 #if defined(__AVX512VL__) && !defined(FEW_ROWS_PORTABLE)
 #define FR_AVX512VL 1
 #else
@@ -107,8 +112,8 @@ inline float bf16_value(uint32_t bits16) {
   return v;
 }
 
-// 16 weights to float. The generic vector conversions from 8- and 16-bit integers come out as scalar code
-// (GCC 12), so the usual targets get intrinsics.
+// 16 weights to float. The generic vector conversions from 16-bit integers come out as scalar code (GCC 12), so
+// the usual targets get intrinsics.
 inline f32x16 bf16_to_float_reference(const uint16_t* p) {
   f32x16 v;
   for (int j = 0; j < L; j++) v.part[j / W][j % W] = bf16_value(p[j]);
@@ -131,30 +136,8 @@ inline f32x16 bf16_to_float(const uint16_t* p) {
 #endif
 }
 
-inline f32x16 int8_to_float_reference(const int8_t* p) {
-  f32x16 v;
-  for (int j = 0; j < L; j++) v.part[j / W][j % W] = p[j];
-  return v;
-}
-
-inline f32x16 int8_to_float(const int8_t* p) {
-#if FR_AVX512F
-  f32x16 v;
-  v.part[0] = (native)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  return v;
-#elif FR_AVX2
-  f32x16 v;
-  for (int h = 0; h < 2; h++)
-    v.part[h] = (native)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
-  return v;
-#else
-  return int8_to_float_reference(p);
-#endif
-}
-
 inline f32x16 to_float(const float* p) { return load(p); }
 inline f32x16 to_float(const uint16_t* p) { return bf16_to_float(p); }
-inline f32x16 to_float(const int8_t* p) { return int8_to_float(p); }
 inline f32x16 to_float(const c10::BFloat16* p) { return bf16_to_float(reinterpret_cast<const uint16_t*>(p)); }
 
 inline uint16_t round_to_bf16(float v) {  // nearest, ties to even; NaN stays NaN

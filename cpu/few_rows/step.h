@@ -152,7 +152,7 @@ struct StepOperands {
 // output rounded to T as the Linear modules round theirs.
 template <class T>
 at::Tensor step_product(const at::Tensor& x, const StepOperands& s, int64_t i, int64_t outputs) {
-  at::Tensor y = linear(x, s.weights[i], s.factors.get(i), s.tables.get(i), std::is_same_v<T, c10::BFloat16>);
+  at::Tensor y = linear(x, s.weights[i], s.factors.get(i), s.tables.get(i));
   TORCH_CHECK(y.size(1) == outputs, "few_rows: llama_step's product ", i, " has ", y.size(1), " outputs, not ",
               outputs);
   float* yp = y.data_ptr<float>();
@@ -213,7 +213,7 @@ at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions
     const at::Tensor o = step_product<T>(a, s, 4 * l + 1, dim);
     add_rounded<T>(x.data(), o.data_ptr<float>(), R * dim, x.data());
     rms_norm_rows<T>(x.data(), s.norms[2 * l + 1], s.eps, R, dim, hp);
-    const int64_t I = s.weights[4 * l + 2].size(0) / 2;
+    const int64_t I = outputs(s.weights[4 * l + 2]) / 2;
     const at::Tensor gate_up = step_product<T>(h, s, 4 * l + 2, 2 * I);
     at::Tensor m = at::empty({R, I}, floats);
     const float* gu = gate_up.data_ptr<float>();
@@ -223,7 +223,7 @@ at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions
     add_rounded<T>(x.data(), down.data_ptr<float>(), R * dim, x.data());
   }
   rms_norm_rows<T>(x.data(), s.norms[2 * layers], s.eps, R, dim, hp);
-  const int64_t V = s.weights[4 * layers].size(0);
+  const int64_t V = outputs(s.weights[4 * layers]);
   const at::Tensor logits = step_product<T>(h, s, 4 * layers, V);
   if constexpr (std::is_same_v<T, float>) {
     return logits.view({B, S, V});

@@ -1,0 +1,582 @@
+// Products in column tiles: integer weight codes times activations rounded to integers, as exact integer sums.
+#pragma once
+
+namespace {
+
+// Each input row is rounded per block b of 32 along k to q * d_b, d_b = max|x| / L, q = round(x / d_b), ties to even
+// (quantize.round_activations, the same formula for quantize.py's reference forward): L = 127 for int4 (8 bits, as
+// llama.cpp's Q8_0), L = 32767 for int8 and the MX formats whose elements are integer multiples (16 bits, where 8 cost
+// them +0.4-0.7% perplexity). A block of 32 weight codes times its 32 q is then one exact integer sum, whatever
+// instructions add it up.
+// Tiles: the weights laid out at load so that 16 consecutive output columns are the 16 lanes of a vector. Per block of
+// 32 along k, lane c of a 32-bit word holds column c's codes for 4 (8-bit q) or 2 (16-bit q) consecutive k, and one
+// instruction (vpdpbusd, vpdpwssd with AVX512_VNNI; vpmaddubsw or vpmaddwd on AVX2) multiplies them by those q of the
+// row, broadcast: every column's sum in its own lane, no horizontal sum, the codes unpacked once for all the rows of
+// a pass. The only floating-point steps are per block and per group, in k order, the same for every row and every
+// number of rows, so a verify's row is a decode's bit for bit, and the scalar references give the same bits as the
+// vector code. A tile is read once from memory for all the rows of a call, a prompt's too.
+constexpr int TILE = 16;  // output columns a tile
+constexpr int BLOCK = 32;  // inputs that share an activation scale d_b
+
+template <class Q>
+constexpr int32_t LEVELS = sizeof(Q) == 1 ? 127 : 32767;
+
+// The rounded rows, block-major: a pass of rows finds each block's q, d and group sums side by side (one pointer
+// for all of them, each row at a constant offset). Q: int8_t or int16_t.
+template <class Q>
+struct Rounded {
+  int64_t M;
+  std::vector<Q> q;               // [K / 32, M, 32]
+  std::vector<float> d;           // [K / 32, M]
+  std::vector<float> group_sums;  // [K / group, M]: over the group's blocks in order, d_b * sum of q_b (fused)
+  const Q* codes(int64_t b, int64_t m) const { return q.data() + (b * M + m) * BLOCK; }
+  float scale(int64_t b, int64_t m) const { return d[b * M + m]; }
+  float group_sum(int64_t g, int64_t m) const { return group_sums[g * M + m]; }
+};
+typedef Rounded<int8_t> RoundedRows;
+
+// Block b of a row (32 floats at x) to its q, d and sum; the plain code.
+template <class Q>
+inline void round_block_reference(const float* x, Q* q, float& d, int32_t& sum) {
+  float amax = 0.f;
+  for (int j = 0; j < BLOCK; j++) amax = std::max(amax, std::fabs(x[j]));  // a NaN input is passed over
+  d = amax / LEVELS<Q>;
+  sum = 0;
+  for (int j = 0; j < BLOCK; j++) {
+    const float v = d > 0 ? std::nearbyint(x[j] / d) : 0.f;  // ties to even, as torch.round
+    q[j] = std::isfinite(v) ? Q(int32_t(v)) : 0;
+    sum += q[j];
+  }
+}
+
+template <class Q>
+inline void round_block(const float* x, Q* q, float& d, int32_t& sum) {
+  constexpr int drop = 32 - 8 * sizeof(Q);  // Q(int32_t(v)): the low bits, sign-extended
+#if FR_AVX512F && FR_AVX512BW
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  // max(|x|, amax): a NaN lane keeps amax, as std::max(amax, NaN) does; max is exact in any order
+  const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+  d = _mm512_reduce_max_ps(m) / LEVELS<Q>;
+  const __m512 dv = _mm512_set1_ps(d);
+  const __mmask16 any = d > 0 ? 0xffff : 0;
+  const auto codes = [&](__m512 v) {  // x / d correctly rounded (as the scalar division), then to even; not finite: 0
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(r, r), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_maskz_cvtps_epi32(finite & any, r), drop), drop);
+  };
+  const __m512i q0 = codes(x0), q1 = codes(x1);
+  if constexpr (sizeof(Q) == 1) {
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(q1));
+  } else {
+    _mm256_storeu_si256((__m256i*)q, _mm512_cvtepi32_epi16(q0));
+    _mm256_storeu_si256((__m256i*)(q + 16), _mm512_cvtepi32_epi16(q1));
+  }
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif FR_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
+  __m256 m = zero;
+  for (int h = 0; h < 4; h++) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * h)), m);
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  d = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1))) / LEVELS<Q>;
+  const __m256 dv = _mm256_set1_ps(d);
+  const __m256 any = d > 0 ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : zero;
+  __m256i total = _mm256_setzero_si256();
+  for (int h = 0; h < 4; h++) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + 8 * h), dv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 keep = _mm256_and_ps(any, _mm256_cmp_ps(_mm256_sub_ps(r, r), zero, _CMP_EQ_OQ));
+    const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(_mm256_cvtps_epi32(_mm256_and_ps(r, keep)), drop), drop);
+    total = _mm256_add_epi32(total, v);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    if constexpr (sizeof(Q) == 1) _mm_storel_epi64((__m128i*)(q + 8 * h), _mm_packs_epi16(words, words));
+    else _mm_storeu_si128((__m128i*)(q + 8 * h), words);
+  }
+  const __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  const __m128i t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32(t2, 1)));
+#else
+  round_block_reference(x, q, d, sum);
+#endif
+}
+
+// shift: log2 of the group length whose sums the rows need (int4's offsets); 0: none.
+template <class Q>
+Rounded<Q> round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
+  const int64_t blocks = K / BLOCK, per_group = shift ? (int64_t(1) << shift) / BLOCK : 0;
+  Rounded<Q> r{M, std::vector<Q>(M * K), std::vector<float>(M * blocks),
+               std::vector<float>(shift ? M * (K >> shift) : 0)};
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < blocks; b++) {
+      int32_t sum;
+      round_block(x + m * K + b * BLOCK, r.q.data() + (b * M + m) * BLOCK, r.d[b * M + m], sum);
+      if (shift) {
+        float& group_sum = r.group_sums[b / per_group * M + m];  // blocks of a group in order
+        group_sum = std::fma(r.d[b * M + m], float(sum), group_sum);
+      }
+    }
+  return r;
+}
+
+// The most rows a pass over a tile: their sums and the unpacked codes fill the vector registers.
+#if FR_AVX512VNNI && FR_AVX512BW
+constexpr int TILE_ROWS = 8;
+#elif FR_AVX2
+constexpr int TILE_ROWS = 4;
+#else
+constexpr int TILE_ROWS = 8;
+#endif
+
+// run(tile, m0, r) for every tile and every pass of rows: each tile once from memory, its passes one after another
+// (the tile stays in cache between them), the tiles split over every core. Rows are split evenly between passes.
+// (Splitting k into stretches whose inputs stay in L1 was slower: the 1.5B's int8 verify of 8 rows 93 -> 113 ms.)
+template <class Run>
+void over_tiles(int64_t tiles, int64_t M, int64_t tile_bytes, const Run& run) {
+  const int64_t passes = (M + TILE_ROWS - 1) / TILE_ROWS;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 65536 / tile_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++)
+      for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
+        r = (M - m) / (passes - p);
+        run(t, m, int(r));
+      }
+  });
+}
+
+#if FR_AVX512VNNI && FR_AVX512BW
+// acc + the products of w and the 4 bytes at p broadcast, the broadcast a memory operand of the instruction (GCC
+// otherwise loads it into a register first: one more operation for every multiply).
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const void* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
+}
+inline __m512i dpwssd_broadcast(__m512i acc, __m512i w, const void* p) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
+}
+#endif
+
+inline int32_t four_bytes(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// int4 tiles (cpu.modules.int4_tiles writes them): codes [N / 16, K / 32, 256], per tile and block 4 quarters of 64
+// bytes; in quarter t, byte 4c + j holds column c's code of k = 8t + j in its low nibble and of k = 8t + 4 + j in its
+// high one (one mask, and one shift and mask, give two vectors of codes). Factors bf16 [N / 16, K / group, 2, 16]:
+// per tile and group the 16 columns' scales, then their zeros, as the file has them: w = (code - 8) * scale + zero.
+// Per column and row: y = sum over groups g of (sum over g's blocks b of float(dot_b) * (scale_g * d_b)) +
+// (zero_g - 8 scale_g) * group_sum_g, fused multiply-adds in that order, where dot_b = sum of code * q, an exact
+// integer.
+struct Int4Tiles {
+  static constexpr int BYTES = 256;  // a block of a tile
+  const uint8_t* codes;
+  const uint16_t* factors;
+  int64_t K, shift;  // in_features; log2 of the group length
+  const uint8_t* block(int64_t tile, int64_t b) const { return codes + (tile * (K / BLOCK) + b) * BYTES; }
+  const uint16_t* group(int64_t tile, int64_t g) const { return factors + (tile * (K >> shift) + g) * 2 * TILE; }
+  // Column c's code of k = 32 b + i, for the plain code and the test that reads the layout back.
+  static int code(const uint8_t* block, int c, int i) {
+    const uint8_t byte = block[64 * (i / 8) + 4 * c + i % 4];
+    return i % 8 < 4 ? byte & 15 : byte >> 4;
+  }
+};
+
+// Output column c of a tile for row m, in plain code: tile_int4's scalar reference.
+inline float int4_output_reference(const Int4Tiles& w, const RoundedRows& a, int64_t m, int64_t tile, int c) {
+  const int64_t blocks = w.K / BLOCK, G = w.K >> w.shift, per_group = blocks / G;
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; g++) {
+    const uint16_t* f = w.group(tile, g);
+    const float scale = bf16_value(f[c]), offset = std::fma(-8.f, scale, bf16_value(f[TILE + c]));
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
+      int32_t dot = 0;
+      for (int i = 0; i < BLOCK; i++) dot += Int4Tiles::code(w.block(tile, b), c, i) * a.codes(b, m)[i];
+      acc = std::fma(float(dot), scale * a.scale(b, m), acc);
+    }
+    acc = std::fma(offset, a.group_sum(g, m), acc);
+  }
+  return acc;
+}
+
+// Rows m0 .. m0 + R - 1 times one tile into y [M, N] columns 16 tile ..: per block the integer sums of every row, then
+// the float steps above. AVX512_VNNI: a vpdpbusd per quarter, nibble half and row; R = 1 keeps 4 sums in flight
+// (one chain of vpdpbusd waited on itself), more rows interleave theirs. AVX2: vpmaddubsw pairs (at most
+// 2 * 15 * 127), 8 of a block added in 16 bits (at most 30480), one vpmaddwd to 32; the tile in two halves of 8
+// columns.
+template <int R>
+__attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& a, int64_t N, int64_t m0,
+                                         int64_t tile, float* y) {
+  const int64_t blocks = w.K / BLOCK, G = w.K >> w.shift, per_group = blocks / G, M = a.M;
+  float* out = y + m0 * N + tile * TILE;  // row r's 16 outputs at out + r * N
+#if FR_AVX512VNNI && FR_AVX512BW
+  constexpr int C = R == 1 ? 4 : R <= 3 ? 2 : 1;  // integer sums in flight a row
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  const uint8_t* p = w.block(tile, 0);
+  for (int64_t g = 0; g < G; g++) {
+    const uint16_t* f = w.group(tile, g);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)f)), 16));
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
+      const int8_t* q = a.codes(b, m0);  // row r's 32 at q + 32 r
+      const float* d = &a.d[b * M + m0];
+      __m512i dots[R][C];
+      for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; t++) {
+        __builtin_prefetch(p + 64 * t + PREFETCH_BYTES);
+        const __m512i v = _mm512_loadu_si512(p + 64 * t);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) {
+          const int8_t* x = q + BLOCK * r + 8 * t;
+          dots[r][(2 * t) % C] = dpbusd_broadcast(dots[r][(2 * t) % C], lo, x);
+          dots[r][(2 * t + 1) % C] = dpbusd_broadcast(dots[r][(2 * t + 1) % C], hi, x + 4);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        __m512i dot = dots[r][0];
+        for (int c = 1; c < C; c++) dot = _mm512_add_epi32(dot, dots[r][c]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d[r])), acc[r]);
+      }
+    }
+    const __m512 zero = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(f + TILE))), 16));
+    const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), scale, zero);
+    const float* gs = &a.group_sums[g * M + m0];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(gs[r]), acc[r]);
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N, acc[r]);
+#elif FR_AVX2 && FR_FMA
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint8_t* p = w.block(tile, 0);
+  for (int64_t g = 0; g < G; g++) {
+    const uint16_t* f = w.group(tile, g);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
+      const int8_t* q = a.codes(b, m0);
+      const float* d = &a.d[b * M + m0];
+      for (int t = 0; t < 4; t++) __builtin_prefetch(p + 64 * t + PREFETCH_BYTES);
+      for (int h = 0; h < 2; h++) {
+        __m256i pairs[R];
+        for (int r = 0; r < R; r++) pairs[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * t + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; r++) {
+            const int8_t* x = q + BLOCK * r + 8 * t;
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(x))));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(x + 4))));
+          }
+        }
+        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(f + 8 * h))), 16));
+        for (int r = 0; r < R; r++) {
+          const __m256i dot = _mm256_madd_epi16(pairs[r], ones);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r])), acc[r][h]);
+        }
+      }
+    }
+    const float* gs = &a.group_sums[g * M + m0];
+    for (int h = 0; h < 2; h++) {
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(f + 8 * h))), 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(f + TILE + 8 * h))), 16));
+      const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.f), scale, zero);
+      for (int r = 0; r < R; r++) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(gs[r]), acc[r][h]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + 8 * h, acc[r][h]);
+#else
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < TILE; c++) out[r * N + c] = int4_output_reference(w, a, m0 + r, tile, c);
+#endif
+}
+
+template <int R = 1>
+inline void tile_int4_of(int r, const Int4Tiles& w, const RoundedRows& a, int64_t N, int64_t m0, int64_t tile, float* y) {
+  if constexpr (R < TILE_ROWS) {
+    if (r > R) return tile_int4_of<R + 1>(r, w, a, N, m0, tile, y);
+  }
+  tile_int4<R>(w, a, N, m0, tile, y);
+}
+
+// x [M, K] (float32) times int4 tiles [N / 16, K / 32, 256] with their factors [N / 16, K / group, 2, 16] (bf16):
+// each tile once from memory, its passes of rows one after another (the tile stays in cache between them), the
+// tiles split over every core. M may be a prompt's thousands of rows: the weights are read once all the same.
+at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor& factors) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == Int4Tiles::BYTES && w.is_contiguous(),
+              "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
+  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * BLOCK, M = x.size(0);
+  check_rows(x, K);
+  TORCH_CHECK(factors.scalar_type() == at::kBFloat16 && factors.is_contiguous() && factors.dim() == 4 &&
+                  factors.size(0) == tiles && factors.size(2) == 2 && factors.size(3) == TILE,
+              "few_rows: int4 tiles need bf16 factors [N / 16, K / group, 2, 16]");
+  const int64_t shift = block_shift(K, factors.size(1), "int4 groups");
+  TORCH_CHECK(shift >= 5, "few_rows: int4 groups must hold at least 32 elements");
+  const RoundedRows a = round_rows<int8_t>(x.data_ptr<float>(), M, K, shift);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Int4Tiles weight{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(factors.data_ptr()), K, shift};
+  float* yp = y.data_ptr<float>();
+  over_tiles(tiles, M, K / 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_int4_of(r, weight, a, N, m, t, yp); });
+  return y;
+}
+
+// The codes [N, K] as Int4Tiles reads them, for the test that round-trips cpu.modules.int4_tiles.
+at::Tensor int4_codes(const at::Tensor& tiles) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
+                  tiles.size(2) == Int4Tiles::BYTES, "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
+  const int64_t N = tiles.size(0) * TILE, K = tiles.size(1) * BLOCK;
+  const Int4Tiles w{tiles.data_ptr<uint8_t>(), nullptr, K, 5};
+  at::Tensor codes = at::empty({N, K}, tiles.options());
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t i = 0; i < K; i++) out[n * K + i] = Int4Tiles::code(w.block(n / TILE, i / BLOCK), int(n % TILE), int(i % BLOCK));
+  return codes;
+}
+
+}  // namespace
+
+namespace {
+
+// Products with 16-bit activations (int8 codes, MX elements that are integer multiples): the codes as int16 pairs,
+// lane c of a 32-bit word holding column c's codes for 2 consecutive k, times those 2 q of the row (vpdpwssd with
+// AVX512_VNNI, vpmaddwd on AVX2): |sum| <= 32 * 127 * 32767 < 2^31, exact. Per column and row: y = sum over blocks b
+// in order of float(dot_b) * (factor_b * d_b) (MX: the block's scale over the codes' multiple) as fused
+// multiply-adds, or (int8) of float(dot_b) * d_b, times the column's scale at the end.
+
+// int8 tiles (cpu.modules.int8_tiles): codes [N / 16, K / 32, 512], per tile and block 16 pairs of k of 32 bytes, byte
+// 2c + j of pair p column c's code at k = 2p + j.
+struct Int8Codes {
+  static constexpr int BYTES = 512;
+  static constexpr bool VECTOR = (FR_AVX2 && FR_FMA) || (FR_AVX512VNNI && FR_AVX512BW);
+  const int8_t* codes;
+  int64_t K;
+  const int8_t* block(int64_t tile, int64_t b) const { return codes + (tile * (K / BLOCK) + b) * BYTES; }
+  int value(const int8_t* block, int c, int i) const { return block[32 * (i / 2) + 2 * c + i % 2]; }
+};
+
+// MX 6-bit tiles (cpu.modules.fp6_tiles): codes [N / 16, K / 32, 384], per tile and block 8 quads of k of 48 bytes,
+// each 64 codes packed as the file packs them (4 in 3 bytes, little-endian), code 32h + 2c + j of quad t being
+// column c's at k = 4t + 2h + j; table: int16 [65], the 64 codes' values times 2^table[64], exact integers (E2M3: times
+// 8). One maskz load, a byte permute and a bit-field select unpack a quad (AVX512_VBMI), a 64-word permute looks its
+// codes up; elsewhere plain code (cpu.modules.MXLinear then lays out int8 tiles instead).
+struct Fp6Codes {
+  static constexpr int BYTES = 384;
+  static constexpr bool VECTOR = FR_AVX512VBMI && FR_AVX512VNNI && FR_AVX512BW;
+  const uint8_t* codes;
+  const int16_t* table;
+  int64_t K;
+  const uint8_t* block(int64_t tile, int64_t b) const { return codes + (tile * (K / BLOCK) + b) * BYTES; }
+  int value(const uint8_t* block, int c, int i) const {
+    const int n = 32 * (i % 4 / 2) + 2 * c + i % 2, g = n / 4;
+    const uint8_t* p = block + 48 * (i / 4) + 3 * g;
+    const uint32_t word = p[0] | p[1] << 8 | p[2] << 16;
+    return table[(word >> (6 * (n % 4))) & 63];
+  }
+};
+
+// The factors: one per column (int8's scale, applied to the finished sum), float per block and column (MX codes as
+// int8: the block's scale over the multiple), or E8M0 per block and column times 1 / multiple (MX 6-bit tiles).
+struct ChannelScales {
+  const float* scales;  // [N / 16, 16]
+  static constexpr bool PER_BLOCK = false;
+};
+struct BlockFactors {
+  const float* factors;  // [N / 16, K / 32, 16]
+  int64_t blocks;
+  static constexpr bool PER_BLOCK = true;
+  float at(int64_t tile, int64_t b, int c) const { return factors[(tile * blocks + b) * TILE + c]; }
+};
+struct E8M0Factors {
+  const uint8_t* scales;  // [N / 16, K / 32, 16]
+  int64_t blocks;
+  float inverse;  // 1 / the codes' multiple, a power of two
+  static constexpr bool PER_BLOCK = true;
+  float at(int64_t tile, int64_t b, int c) const {  // 2^(e - 127), 255: NaN
+    const uint8_t e = scales[(tile * blocks + b) * TILE + c];
+    return (e == 255 ? NAN : std::ldexp(1.f, e - 127)) * inverse;
+  }
+};
+
+// Output column c of a tile for row m, in plain code: tile_wide's scalar reference.
+template <class Codes, class Factors>
+inline float wide_output_reference(const Codes& w, const Factors& f, const Rounded<int16_t>& a, int64_t m,
+                                   int64_t tile, int c) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < w.K / BLOCK; b++) {
+    int32_t dot = 0;
+    for (int i = 0; i < BLOCK; i++) dot += w.value(w.block(tile, b), c, i) * a.codes(b, m)[i];
+    if constexpr (Factors::PER_BLOCK) acc = std::fma(float(dot), f.at(tile, b, c) * a.scale(b, m), acc);
+    else acc = std::fma(float(dot), a.scale(b, m), acc);
+  }
+  if constexpr (Factors::PER_BLOCK) return acc;
+  else return acc * f.scales[tile * TILE + c];
+}
+
+#if FR_AVX512VNNI && FR_AVX512BW
+// Pairs 2t and 2t + 1 of a block (k = 4t .. 4t + 3) as int16 words, lane c the column's two codes.
+inline void unpack(const Int8Codes&, const int8_t* block, int t, __m512i& p0, __m512i& p1) {
+  p0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(block + 64 * t)));
+  p1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(block + 64 * t + 32)));
+}
+#if FR_AVX512VBMI
+inline void unpack(const Fp6Codes& w, const uint8_t* block, int t, __m512i& p0, __m512i& p1) {
+  // Bytes 6q .. 6q + 5 to qword q, then byte j of each qword from its bits 6j .. 6j + 7: code j, with two bits of
+  // the next above it, which the 64-word permute ignores (it reads 6 bits of each index).
+  const __m512i spread = _mm512_set_epi8(
+      0, 0, 47, 46, 45, 44, 43, 42, 0, 0, 41, 40, 39, 38, 37, 36, 0, 0, 35, 34, 33, 32, 31, 30, 0, 0, 29, 28, 27, 26,
+      25, 24, 0, 0, 23, 22, 21, 20, 19, 18, 0, 0, 17, 16, 15, 14, 13, 12, 0, 0, 11, 10, 9, 8, 7, 6, 0, 0, 5, 4, 3, 2,
+      1, 0);
+  const __m512i table_low = _mm512_loadu_si512(w.table), table_high = _mm512_loadu_si512(w.table + 32);
+  const __m512i fields = _mm512_multishift_epi64_epi8(
+      _mm512_set1_epi64(0x2a241e18120c0600LL),
+      _mm512_permutexvar_epi8(spread, _mm512_maskz_loadu_epi8(0xffffffffffffULL, block + 48 * t)));
+  p0 = _mm512_permutex2var_epi16(table_low, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(fields)), table_high);
+  p1 = _mm512_permutex2var_epi16(table_low, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(fields, 1)), table_high);
+}
+#endif
+
+inline __m512 block_vector(const BlockFactors& f, int64_t tile, int64_t b) {
+  return _mm512_loadu_ps(f.factors + (tile * f.blocks + b) * TILE);
+}
+inline __m512 block_vector(const E8M0Factors& f, int64_t tile, int64_t b) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(f.scales + (tile * f.blocks + b) * TILE)));
+  __m512i bits = _mm512_slli_epi32(e, 23);  // 2^(e - 127) for e in 1 .. 254
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(f.inverse));
+}
+inline __m512 block_vector(const ChannelScales&, int64_t, int64_t) { return _mm512_setzero_ps(); }
+#endif
+
+#if FR_AVX2 && !(FR_AVX512VNNI && FR_AVX512BW)
+inline __m256 block_half(const BlockFactors& f, int64_t tile, int64_t b, int h) {
+  return _mm256_loadu_ps(f.factors + (tile * f.blocks + b) * TILE + 8 * h);
+}
+inline __m256 block_half(const ChannelScales&, int64_t, int64_t, int) { return _mm256_setzero_ps(); }
+#endif
+
+template <int R, class Codes, class Factors>
+__attribute__((noinline)) void tile_wide(const Codes& w, const Factors& f, const Rounded<int16_t>& a, int64_t N,
+                                         int64_t m0, int64_t tile, float* y) {
+  const int64_t blocks = w.K / BLOCK, M = a.M;
+  float* out = y + m0 * N + tile * TILE;  // row r's 16 outputs at out + r * N
+  if constexpr (!Codes::VECTOR) {
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < TILE; c++) out[r * N + c] = wide_output_reference(w, f, a, m0 + r, tile, c);
+  } else {
+#if FR_AVX512VNNI && FR_AVX512BW
+    constexpr int C = R == 1 ? 4 : R <= 3 ? 2 : 1;  // integer sums in flight a row
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    auto p = w.block(tile, 0);
+    for (int64_t b = 0; b < blocks; b++, p += Codes::BYTES) {
+      const int16_t* q = a.codes(b, m0);  // row r's 32 at q + 32 r
+      const float* d = &a.d[b * M + m0];
+      __m512i dots[R][C];
+      for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_si512();
+      for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + l + PREFETCH_BYTES);
+      for (int t = 0; t < 8; t++) {
+        __m512i p0, p1;
+        unpack(w, p, t, p0, p1);
+        for (int r = 0; r < R; r++) {
+          const int16_t* x = q + BLOCK * r + 4 * t;
+          dots[r][(2 * t) % C] = dpwssd_broadcast(dots[r][(2 * t) % C], p0, x);
+          dots[r][(2 * t + 1) % C] = dpwssd_broadcast(dots[r][(2 * t + 1) % C], p1, x + 2);
+        }
+      }
+      const __m512 factor = block_vector(f, tile, b);
+      for (int r = 0; r < R; r++) {
+        __m512i dot = dots[r][0];
+        for (int c = 1; c < C; c++) dot = _mm512_add_epi32(dot, dots[r][c]);
+        const __m512 scale = Factors::PER_BLOCK ? _mm512_mul_ps(factor, _mm512_set1_ps(d[r])) : _mm512_set1_ps(d[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      if constexpr (!Factors::PER_BLOCK) acc[r] = _mm512_mul_ps(acc[r], _mm512_loadu_ps(f.scales + tile * TILE));
+      _mm512_storeu_ps(out + r * N, acc[r]);
+    }
+#elif FR_AVX2 && FR_FMA
+    static_assert(std::is_same_v<Codes, Int8Codes>, "AVX2 multiplies int8 tiles only");
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int8_t* p = w.block(tile, 0);
+    for (int64_t b = 0; b < blocks; b++, p += Codes::BYTES) {
+      const int16_t* q = a.codes(b, m0);
+      const float* d = &a.d[b * M + m0];
+      for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(p + l + PREFETCH_BYTES);
+      for (int h = 0; h < 2; h++) {
+        __m256i dots[R];
+        for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
+        for (int pair = 0; pair < 16; pair++) {
+          const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 32 * pair + 16 * h)));
+          for (int r = 0; r < R; r++)
+            dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(v, _mm256_set1_epi32(four_bytes(q + BLOCK * r + 2 * pair))));
+        }
+        const __m256 factor = block_half(f, tile, b, h);
+        for (int r = 0; r < R; r++) {
+          const __m256 scale = Factors::PER_BLOCK ? _mm256_mul_ps(factor, _mm256_set1_ps(d[r])) : _mm256_set1_ps(d[r]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++) {
+        if constexpr (!Factors::PER_BLOCK) acc[r][h] = _mm256_mul_ps(acc[r][h], _mm256_loadu_ps(f.scales + tile * TILE + 8 * h));
+        _mm256_storeu_ps(out + r * N + 8 * h, acc[r][h]);
+      }
+#endif
+  }
+}
+
+template <int R = 1, class Codes, class Factors>
+inline void tile_wide_of(int r, const Codes& w, const Factors& f, const Rounded<int16_t>& a, int64_t N, int64_t m0,
+                         int64_t tile, float* y) {
+  if constexpr (R < TILE_ROWS) {
+    if (r > R) return tile_wide_of<R + 1>(r, w, f, a, N, m0, tile, y);
+  }
+  tile_wide<R>(w, f, a, N, m0, tile, y);
+}
+
+template <class Codes, class Factors>
+at::Tensor wide(const at::Tensor& x, const Codes& w, const Factors& f, int64_t tiles) {
+  const int64_t M = x.size(0), N = tiles * TILE;
+  const Rounded<int16_t> a = round_rows<int16_t>(x.data_ptr<float>(), M, w.K, 0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  over_tiles(tiles, M, w.K / BLOCK * Codes::BYTES, [&](int64_t t, int64_t m, int r) { tile_wide_of(r, w, f, a, N, m, t, yp); });
+  return y;
+}
+
+// x [M, K] times int8 tiles [N / 16, K / 32, 512] with float32 factors [N / 16, 16] (a scale per column) or
+// [N / 16, K / 32, 16] (per block and column); or MX 6-bit tiles [N / 16, K / 32, 384] with their int16 table [65] and
+// E8M0 scales [N / 16, K / 32, 16].
+at::Tensor wide_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor& factors,
+                      const std::optional<at::Tensor>& table) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "few_rows: tiles are [N / 16, K / 32, bytes]");
+  const int64_t tiles = w.size(0), blocks = w.size(1), K = blocks * BLOCK;
+  check_rows(x, K);
+  TORCH_CHECK(factors.is_contiguous(), "few_rows: factors must be contiguous");
+  const bool per_block = factors.dim() == 3;
+  TORCH_CHECK(per_block ? factors.size(0) == tiles && factors.size(1) == blocks && factors.size(2) == TILE
+                        : factors.dim() == 2 && factors.size(0) == tiles && factors.size(1) == TILE,
+              "few_rows: tile factors are [N / 16, K / 32, 16] or [N / 16, 16]");
+  if (table) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == Fp6Codes::BYTES && table->scalar_type() == at::kShort &&
+                    table->is_contiguous() && table->numel() == 65 && per_block && factors.scalar_type() == at::kByte,
+                "few_rows: MX 6-bit tiles are uint8 [N / 16, K / 32, 384] with an int16 table [65] and E8M0 scales");
+    const int16_t* t = table->data_ptr<int16_t>();
+    return wide(x, Fp6Codes{w.data_ptr<uint8_t>(), t, K},
+                E8M0Factors{factors.data_ptr<uint8_t>(), blocks, std::ldexp(1.f, -t[64])}, tiles);
+  }
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == Int8Codes::BYTES && factors.scalar_type() == at::kFloat,
+              "few_rows: int8 tiles are int8 [N / 16, K / 32, 512] with float32 factors");
+  const Int8Codes codes{w.data_ptr<int8_t>(), K};
+  if (per_block) return wide(x, codes, BlockFactors{factors.data_ptr<float>(), blocks}, tiles);
+  return wide(x, codes, ChannelScales{factors.data_ptr<float>()}, tiles);
+}
+
+}  // namespace

@@ -12,21 +12,28 @@ from cpu.kernels import STEP_TOKENS, TILE, many_rows, product, step_rows
 
 
 class Linear(nn.Linear):
-    """nn.Linear: a step's rows through few_rows.cpp (which gives every row the arithmetic it gets alone, so a
-    verify computes the logits a decode would); a prompt's through PyTorch's GEMM."""
+    """nn.Linear. bf16 weights (in_features a multiple of 32): in column tiles (pair_tiles), every number of rows
+    through few_rows.cpp, a prompt's too, each row with the arithmetic it gets alone (a verify computes the logits a
+    decode would); the embedding a head is tied to keeps the weight as it is. Others (float32): a step's rows through
+    few_rows.cpp, a prompt's through PyTorch's GEMM."""
 
     def prepare(self):
-        pass
+        self.tiles = None
+        if self.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0:
+            self.tiles = pair_tiles(self.weight.detach())
 
     def operands(self):  # (weight, factors, table) as few_rows.cpp takes them
-        return self.weight, None, None
+        return (self.weight if self.tiles is None else self.tiles), None, None
 
     def use_operands(self, weight, factors):
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        if self.tiles is None:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        else:
+            self.tiles = weight
 
     def forward(self, x):
-        if step_rows(x):
-            y = product(x, self.weight)
+        if self.tiles is not None or step_rows(x):
+            y = product(x, self.weight if self.tiles is None else self.tiles)[..., :self.out_features]
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return many_rows(x, self.weight, self.bias)
 
@@ -40,13 +47,13 @@ def whole_tiles(n):
     return -(-n // TILE) * TILE
 
 
-def int8_tiles(codes):
-    """few_rows.cpp's int8 column tiles (few_rows/columns.h) from codes [N, K] (int8): [N / 16, K / 32, 512] (N rounded
-    up to whole tiles with zeros), where tile T's block b holds 16 pairs of 32 bytes, byte 2c + j of pair p the code of
-    column 16T + c at k = 32b + 2p + j."""
-    codes = padded(codes, whole_tiles(codes.shape[0]))
-    n, k = codes.shape
-    return codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
+def pair_tiles(weight):
+    """few_rows.cpp's column tiles of 16-bit input pairs (few_rows/columns.h) from weights [N, K] (int8 codes or bf16):
+    [N / 16, K / 32, 512] (N rounded up to whole tiles with zeros), where tile T's block b holds 16 pairs of k, element
+    2c + j of pair p the weight of column 16T + c at k = 32b + 2p + j."""
+    weight = padded(weight, whole_tiles(weight.shape[0]))
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
 
 
 def block_tiles(factors):
@@ -66,7 +73,7 @@ def fp6_tiles(codes):
 
 
 class Int8Linear(quantize.Int8Linear):
-    """int8 codes in column tiles times each input row rounded to 16 bits per block of 32 (round_activations(x,
+    """int8 codes in column tiles (pair_tiles) times each input row rounded to 16 bits per block of 32 (round_activations(x,
     WIDE)): exact integer sums, then each block's d and the column's scale (few_rows/columns.h). Every number of rows,
     a prompt's too."""
 
@@ -74,7 +81,7 @@ class Int8Linear(quantize.Int8Linear):
         n, k = self.weight.shape
         self.tiles = torch.empty(whole_tiles(n) // 16, k // 32, 512, dtype=torch.int8)  # filled a few rows at a time
         for i in range(0, n, rows):
-            part = int8_tiles(self.weight[i:i + rows])
+            part = pair_tiles(self.weight[i:i + rows])
             self.tiles[i // 16:i // 16 + part.shape[0]] = part
         self.scale_factors = padded(self.scales.float(), whole_tiles(n)).view(-1, TILE)  # by tiles, as stacked
 
@@ -179,7 +186,7 @@ class MXLinear(quantize.MXLinear):
         elif self.fmt.integer_multiple:
             self.tiles = torch.empty(whole_tiles(n) // 16, k // 32, 512, dtype=torch.int8)
             for i in range(0, n, rows):
-                part = int8_tiles(expand(self.weight[i:i + rows], self.scales[i:i + rows], self.fmt)[0])
+                part = pair_tiles(expand(self.weight[i:i + rows], self.scales[i:i + rows], self.fmt)[0])
                 self.tiles[i // 16:i // 16 + part.shape[0]] = part
             self.tile_factors = block_tiles(mx.scale_values(self.scales) / self.fmt.integer_multiple)
         elif self.fmt.bits == 6 and torch.ops.few_rows.packed_fp6_is_fast():

@@ -164,7 +164,7 @@ def few_rows_cases():
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     per_channel, per_block = torch.rand(n) + 0.5, torch.rand(n, k // 32) + 0.5
     import quantize
-    from cpu.modules import block_tiles, fp6_tiles, int4_tiles, int8_tiles, integer_table, padded
+    from cpu.modules import block_tiles, fp6_tiles, int4_tiles, integer_table, padded, pair_tiles
     int4 = torch.randint(0, 16, (n_tiles, k), dtype=torch.uint8)  # int4 tiles hold 16 output columns each
     scales_and_zeros = torch.stack([torch.rand(k // 64, n_tiles) + 0.5, torch.randn(k // 64, n_tiles)], -1).bfloat16()
     tiles, tile_factors = int4_tiles(int4, scales_and_zeros)
@@ -194,31 +194,32 @@ def few_rows_cases():
                                       packed["fp6_e2m3"][1]),
             packed["fp6_e2m3"][2][:, :-32], lambda x: x[:, :-32].bfloat16().float()),
         "fp32": (lambda x: product(x, w), w, same),
-        # bf16 weights multiply the inputs rounded to bf16 (a bf16 model's are already), in pairs (vdpbf16ps)
-        "bf16": (lambda x: product(x, w.bfloat16()), w.bfloat16().float(),
-                 lambda x: x.bfloat16().float()),
-        "bf16 x channel": (lambda x: product(x, w.bfloat16(), per_channel),
-                           w.bfloat16().float() * per_channel[:, None], lambda x: x.bfloat16().float()),
-        # in_features not a multiple of 32: no pairs, each bf16 weight to float times x itself
+        # bf16 weights in column tiles multiply the inputs rounded to bf16 (a bf16 model's are already), in pairs
+        # (vdpbf16ps); 203 outputs: the last tile padded
+        "bf16 tiles": (lambda x: product(x, pair_tiles(w.bfloat16()))[:, :n], w.bfloat16().float(),
+                       lambda x: x.bfloat16().float()),
+        "bf16 tiles, K % 64 = 32": (lambda x: product(x[:, :-32].contiguous(), pair_tiles(w[:, :-32].bfloat16()))[:, :n],
+                                    w[:, :-32].bfloat16().float(), lambda x: x[:, :-32].bfloat16().float()),
+        # in_features not a multiple of 32: by rows, each bf16 weight to float times x itself
         "bf16, K % 32 = 16": (lambda x: product(x[:, :-16].contiguous(), w[:, :-16].bfloat16()),
                               w[:, :-16].bfloat16().float(), lambda x: x[:, :-16]),
         "bf16 x block": (lambda x: product(x, w.bfloat16(), per_block),
                          w.bfloat16().float() * per_block.repeat_interleave(32, 1), same),
         # int8 codes in column tiles (203 outputs: the last tile padded), inputs rounded to 16 bits per block
-        "int8 x channel": (lambda x: product(x, int8_tiles(codes), padded(per_channel, 208).view(-1, 16))[:, :n],
+        "int8 x channel": (lambda x: product(x, pair_tiles(codes), padded(per_channel, 208).view(-1, 16))[:, :n],
                            codes * per_channel[:, None], wide),
-        "int8 x block": (lambda x: product(x, int8_tiles(codes), block_tiles(per_block))[:, :n],
+        "int8 x block": (lambda x: product(x, pair_tiles(codes), block_tiles(per_block))[:, :n],
                          codes * per_block.repeat_interleave(32, 1), wide),
-        "int8 x channel, bf16 inputs": (lambda x: product(x.bfloat16(), int8_tiles(codes), padded(per_channel, 208).view(-1, 16))[:, :n],
+        "int8 x channel, bf16 inputs": (lambda x: product(x.bfloat16(), pair_tiles(codes), padded(per_channel, 208).view(-1, 16))[:, :n],
                                         codes * per_channel[:, None], lambda x: wide(x.bfloat16().float())),
         "int8 x channel, K % 64 = 32": (
-            lambda x: product(x[:, :-32].contiguous(), int8_tiles(codes[:, :-32]), padded(per_channel, 208).view(-1, 16))[:, :n],
+            lambda x: product(x[:, :-32].contiguous(), pair_tiles(codes[:, :-32]), padded(per_channel, 208).view(-1, 16))[:, :n],
             codes[:, :-32] * per_channel[:, None], lambda x: wide(x[:, :-32])),
         # MX E2M3 codes in 6-bit column tiles with their E8M0 scales (and the same values as int8 tiles: the same bits)
         "fp6_e2m3 tiles": (lambda x: product(x, fp6_tiles(fp6), block_tiles(e8m0), integer_table(e2m3))[:, :n],
                            packed["fp6_e2m3"][2], wide),
         "fp6_e2m3 as int8 tiles": (
-            lambda x: product(x, int8_tiles((mx.decode_elements(fp6, e2m3) * 8).to(torch.int8)),
+            lambda x: product(x, pair_tiles((mx.decode_elements(fp6, e2m3) * 8).to(torch.int8)),
                               block_tiles(mx.scale_values(e8m0) / 8))[:, :n], packed["fp6_e2m3"][2], wide),
         "int4 x group": (lambda x: product(x, tiles, tile_factors), (int4 - 8.0) * scale + zero,
                          quantize.round_activations),

@@ -225,6 +225,7 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& 
       __m512i dots[R][C];
       for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
       for (int t = 0; t < 4; t++) {
         __builtin_prefetch(p + 64 * t + PREFETCH_BYTES);
         const __m512i v = _mm512_loadu_si512(p + 64 * t);
@@ -478,6 +479,7 @@ __attribute__((noinline)) void tile_wide(const Codes& w, const Factors& f, const
       for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_si512();
       for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + l + PREFETCH_BYTES);
+#pragma GCC unroll 8
       for (int t = 0; t < 8; t++) {
         __m512i p0, p1;
         unpack(w, p, t, p0, p1);
@@ -577,6 +579,144 @@ at::Tensor wide_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const Int8Codes codes{w.data_ptr<int8_t>(), K};
   if (per_block) return wide(x, codes, BlockFactors{factors.data_ptr<float>(), blocks}, tiles);
   return wide(x, codes, ChannelScales{factors.data_ptr<float>()}, tiles);
+}
+
+}  // namespace
+
+namespace {
+
+// bf16 weights in column tiles (cpu.modules.bf16_tiles): [N / 16, K / 32, 512] bf16, per tile and block 16 pairs of k
+// of 64 bytes, word 2c + j of pair p column c's weight at k = 2p + j. Each input row rounded to bf16 (a bf16 model's
+// already is); lane c of a vector adds the exact products of its column's weights at k = 2p + 1, then 2p, times the
+// row's inputs there, broadcast, each with one rounding (vdpbf16ps with AVX512_BF16; two fused multiply-adds
+// elsewhere), in two chains, of the even and the odd pairs, added at the end. The weights' bytes are read once for
+// every row of a call; the inputs are 4-byte broadcasts, read once a tile (by weight rows, a row read every input
+// of the pass: 8 verify rows of the down projection's 8,960 spilled L1 at every weight row).
+struct Bf16Codes {
+  static constexpr int BYTES = 1024;
+  const uint16_t* codes;
+  int64_t K;
+  const uint16_t* block(int64_t tile, int64_t b) const { return codes + (tile * (K / BLOCK) + b) * (BYTES / 2); }
+};
+
+// The rows [M, K] rounded to bf16, nearest, ties to even, block-major [K / 32, M, 32] (a pass's rows of a block side by
+// side). With AVX512_BF16 32 at a time, flushing denormals to zero, as vdpbf16ps does.
+std::vector<uint16_t> bf16_blocks(const float* x, int64_t M, int64_t K) {
+  std::vector<uint16_t> out(M * K);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < K / BLOCK; b++) {
+      const float* in = x + m * K + b * BLOCK;
+      uint16_t* to = out.data() + (b * M + m) * BLOCK;
+#if FR_AVX512BF16
+      _mm512_storeu_si512(to, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + L), _mm512_loadu_ps(in)));
+#else
+      for (int j = 0; j < BLOCK; j++) to[j] = round_to_bf16(in[j]);
+#endif
+    }
+  return out;
+}
+
+// Output column c of a tile for row m, in plain code: tile_bf16's scalar reference.
+inline float bf16_output_reference(const Bf16Codes& w, const uint16_t* x, int64_t M, int64_t m, int64_t tile, int c) {
+  float chain[2] = {0.f, 0.f};
+  for (int64_t b = 0; b < w.K / BLOCK; b++) {
+    const uint16_t* block = w.block(tile, b);
+    const uint16_t* in = x + (b * M + m) * BLOCK;
+    for (int p = 0; p < 16; p++) {
+      float& acc = chain[p % 2];
+      acc = std::fma(bf16_value(block[32 * p + 2 * c + 1]), bf16_value(in[2 * p + 1]), acc);  // exact products
+      acc = std::fma(bf16_value(block[32 * p + 2 * c]), bf16_value(in[2 * p]), acc);
+    }
+  }
+  return chain[0] + chain[1];
+}
+
+#if FR_AVX512BF16
+inline __m512 dpbf16_broadcast(__m512 acc, __m512i w, const void* p) {  // p's 2 inputs broadcast from memory
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
+}
+#endif
+
+template <int R>
+__attribute__((noinline)) void tile_bf16(const Bf16Codes& w, const uint16_t* x, int64_t M, int64_t N, int64_t m0,
+                                         int64_t tile, float* y) {
+  float* out = y + m0 * N + tile * TILE;  // row r's 16 outputs at out + r * N
+  const int64_t blocks = w.K / BLOCK;
+#if FR_AVX512BF16
+  __m512 acc[R][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* p = w.block(tile, 0);
+  for (int64_t b = 0; b < blocks; b++, p += Bf16Codes::BYTES / 2) {
+    const uint16_t* in = x + (b * M + m0) * BLOCK;  // row r's 32 at in + 32 r
+#pragma GCC unroll 8
+    for (int pair = 0; pair < 16; pair += 2) {  // the even pair's chain, then the odd one's (constant indices: in
+      __builtin_prefetch(reinterpret_cast<const char*>(p + 32 * pair) + PREFETCH_BYTES);  // registers)
+      __builtin_prefetch(reinterpret_cast<const char*>(p + 32 * pair + 32) + PREFETCH_BYTES);
+      const __m512i v0 = _mm512_loadu_si512(p + 32 * pair), v1 = _mm512_loadu_si512(p + 32 * pair + 32);
+      for (int r = 0; r < R; r++) {
+        acc[r][0] = dpbf16_broadcast(acc[r][0], v0, in + BLOCK * r + 2 * pair);
+        acc[r][1] = dpbf16_broadcast(acc[r][1], v1, in + BLOCK * r + 2 * pair + 2);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N, _mm512_add_ps(acc[r][0], acc[r][1]));
+#elif FR_AVX2 && FR_FMA
+  __m256 acc[R][2][2];  // [row][half][chain]
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  const uint16_t* p = w.block(tile, 0);
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000));
+  for (int64_t b = 0; b < blocks; b++, p += Bf16Codes::BYTES / 2) {
+    const uint16_t* in = x + (b * M + m0) * BLOCK;
+#pragma GCC unroll 16
+    for (int pair = 0; pair < 16; pair++) {
+      __builtin_prefetch(reinterpret_cast<const char*>(p + 32 * pair) + PREFETCH_BYTES);
+      __m256 odd[2], even[2];
+      for (int h = 0; h < 2; h++) {
+        const __m256i words = _mm256_loadu_si256((const __m256i*)(p + 32 * pair + 16 * h));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      }
+      for (int r = 0; r < R; r++) {
+        const __m256 x_odd = _mm256_set1_ps(bf16_value(in[BLOCK * r + 2 * pair + 1]));
+        const __m256 x_even = _mm256_set1_ps(bf16_value(in[BLOCK * r + 2 * pair]));
+        for (int h = 0; h < 2; h++) {
+          __m256& a = acc[r][h][pair % 2];
+          a = _mm256_fmadd_ps(even[h], x_even, _mm256_fmadd_ps(odd[h], x_odd, a));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + 8 * h, _mm256_add_ps(acc[r][h][0], acc[r][h][1]));
+#else
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < TILE; c++) out[r * N + c] = bf16_output_reference(w, x, M, m0 + r, tile, c);
+#endif
+}
+
+template <int R = 1>
+inline void tile_bf16_of(int r, const Bf16Codes& w, const uint16_t* x, int64_t M, int64_t N, int64_t m0, int64_t tile,
+                         float* y) {
+  if constexpr (R < TILE_ROWS) {
+    if (r > R) return tile_bf16_of<R + 1>(r, w, x, M, N, m0, tile, y);
+  }
+  tile_bf16<R>(w, x, M, N, m0, tile, y);
+}
+
+// x [M, K] (float32) times bf16 tiles [N / 16, K / 32, 512].
+at::Tensor bf16_tiles(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == Bf16Codes::BYTES / 2 && w.is_contiguous(),
+              "few_rows: bf16 tiles are [N / 16, K / 32, 512]");
+  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * BLOCK, M = x.size(0);
+  check_rows(x, K);
+  const std::vector<uint16_t> rows = bf16_blocks(x.data_ptr<float>(), M, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Bf16Codes weight{reinterpret_cast<const uint16_t*>(w.data_ptr()), K};
+  float* yp = y.data_ptr<float>();
+  over_tiles(tiles, M, K * 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_bf16_of(r, weight, rows.data(), M, N, m, t, yp); });
+  return y;
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// Products with fp32 and bf16 weights (DenseWeight, Pairs).
+// Products with fp32 and bf16 weights by rows (DenseWeight: bf16 in column tiles is columns.h), and the inputs that
+// packed MX 6-bit codes multiply in pairs (pair_inputs).
 #pragma once
 
 namespace {
@@ -26,21 +27,9 @@ struct DenseWeight {
   Row row(int64_t n) const { return {w + n * K, factors + n * per_row, shift}; }
 };
 
-// bf16 weights without block factors times the activations rounded to bf16, in pairs: lane i of 16 adds the exact
-// products of elements 2i + 1, then 2i, of each 32 along k, each with one rounding (a fused multiply-add). That is
-// AVX512_BF16's vdpbf16ps, one instruction per 32 weights and input row, where converting the weights and two FMAs
-// took three (Zen 4 runs a 512-bit FMA as two halves): see tile(Pairs). Other CPUs get the same sums from the two
-// halves of each pair as floats. (The instruction also flushes denormal operands and results to zero; the two agree
-// unless a weight, an input or a partial sum is below 1.2e-38 in magnitude.)
-template <Factors F>  // F: None or Rows
-struct Pairs {
-  const uint16_t* w;  // [N, K]
-  const float* factors;
-  float finish(int64_t n, float sum) const { return F == Rows ? sum * factors[n] : sum; }
-};
-
-// The input rows [M, K] as tile(Pairs) reads them: bf16 in order for vdpbf16ps; elsewhere floats, each 32
-// along k stored as its 16 odd elements, then its 16 even ones (lane i: elements 2i + 1 and 2i).
+// The input rows [M, K] as packed MX 6-bit codes multiply them in pairs (fp6.h): bf16 in order for vdpbf16ps;
+// elsewhere floats, each 32 along k stored as its 16 odd elements, then its 16 even ones (lane i: elements 2i + 1 and
+// 2i).
 // In a tensor, for its 64-byte alignment (a 64-byte load of x must not straddle two cache lines).
 #if FR_AVX512BF16
 typedef uint16_t PairInput;
@@ -77,29 +66,6 @@ inline void pair_halves_reference(const uint16_t* p, f32x16& high, f32x16& low) 
     low.part[j / W][j % W] = bf16_value(p[2 * j]);
   }
 }
-
-#if FR_AVX512BF16
-// 32 weights from p as bf16 in order, the operand of vdpbf16ps.
-inline __m512bh bf16_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-#else
-// pair_halves_reference with intrinsics.
-inline void pair_halves(const uint16_t* p, f32x16& high, f32x16& low) {
-#if FR_AVX512F
-  const __m512i words = _mm512_loadu_si512(p);
-  high.part[0] = (native)_mm512_and_si512(words, _mm512_set1_epi32(int(0xffff0000)));
-  low.part[0] = (native)_mm512_slli_epi32(words, 16);
-#elif FR_AVX2
-  for (int h = 0; h < 2; h++) {
-    const __m256i words = _mm256_loadu_si256((const __m256i*)(p + 16 * h));
-    high.part[h] = (native)_mm256_and_si256(words, _mm256_set1_epi32(int(0xffff0000)));
-    low.part[h] = (native)_mm256_slli_epi32(words, 16);
-  }
-#else
-  pair_halves_reference(p, high, low);
-#endif
-}
-
-#endif
 
 // R input rows (up to RowsPerPass) times weight rows n0 .. n1 - 1, one pass over each weight row, streaming one
 // row of weights at a time (several side by side were slower on the AMD CPUs measured). Two sums per row, of the
@@ -138,38 +104,6 @@ struct RowsPerPass<DenseWeight<T, F>> {
   static constexpr int value = W == 16 ? 7 : 3;  // AVX2 holds 16 lanes in two of its 16 registers; 8 rows were slower
 };
 
-// The same in pairs (Pairs), x from pair_inputs: 32 weights a step, one vdpbf16ps per input row where the CPU has
-// it. At 2 rows and more a second prefetch, into L2 and 16 KB ahead (AVX512_BF16 only, where it was measured): the
-// stream otherwise waited on memory and on the multiply-adds in turn.
-template <int R, Factors F>
-__attribute__((noinline)) void tile(const Pairs<F>& weight, const PairInput* x, int64_t K, int64_t N, int64_t n0,
-                                    int64_t n1, float* y) {
-  for (int64_t n = n0; n < n1; n++) {
-    f32x16 acc[R];
-    for (int r = 0; r < R; r++)
-      for (int h = 0; h < L / W; h++) acc[r].part[h] = native{};
-    const uint16_t* row = weight.w + n * K;
-    for (int64_t k = 0; k < K; k += 2 * L) {
-      const uint16_t* p = row + k;
-      __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES);
-#if FR_AVX512BF16
-      if (R >= 2) __builtin_prefetch(reinterpret_cast<const char*>(p) + 16384, 0, 2);  // to L2: see above
-      const __m512bh w = bf16_pairs(p);
-      for (int r = 0; r < R; r++)
-        acc[r].part[0] = (native)_mm512_dpbf16_ps((__m512)acc[r].part[0], w, (__m512bh)_mm512_loadu_si512(x + r * K + k));
-#else
-      f32x16 high, low;
-      pair_halves(p, high, low);
-      for (int r = 0; r < R; r++) {
-        acc[r] += load(x + r * K + k) * high;
-        acc[r] += load(x + r * K + k + L) * low;
-      }
-#endif
-    }
-    for (int r = 0; r < R; r++) y[r * N + n] = weight.finish(n, sum_lanes(acc[r]));
-  }
-}
-
 template <class T>
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
@@ -182,19 +116,6 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<a
   if (per_row == 1) return product(DenseWeight<T, Rows>{codes, factors->data_ptr<float>(), K, 1, 0}, xp, M, K, N);
   return product(DenseWeight<T, Blocks>{codes, factors->data_ptr<float>(), K, per_row,
                                         block_shift(K, per_row, "factors")}, xp, M, K, N);
-}
-
-// bf16 weights: in pairs (Pairs) when no block factor scales them and K is a multiple of 32.
-at::Tensor pairs(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors) {
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  const uint16_t* codes = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  if (K % (2 * L) || (factors && factors->numel() != N)) return dense<uint16_t>(x, w, factors);
-  const at::Tensor inputs = pair_inputs(x.data_ptr<float>(), M, K);
-  const PairInput* xp = reinterpret_cast<const PairInput*>(inputs.data_ptr());
-  if (!factors) return product(Pairs<None>{codes, nullptr}, xp, M, K, N);
-  TORCH_CHECK(factors->scalar_type() == at::kFloat && factors->is_contiguous() && factors->size(0) == N,
-              "few_rows: factors must be contiguous float32 [N] or [N, K / block]");
-  return product(Pairs<Rows>{codes, factors->data_ptr<float>()}, xp, M, K, N);
 }
 
 }  // namespace

@@ -6,7 +6,7 @@ namespace {
 // MX 6-bit elements (E2M3, E3M2) read as the file packs them: 4 codes in 3 bytes, little-endian (code j of 8 at
 // bits 6j of 6 bytes), with one E8M0 scale byte per block of 32. A block's 32 codes become bf16 values through a
 // 64-entry table (exact: 2 or 3 mantissa bits) and multiply the inputs rounded to bf16 in pairs, as bf16 weights
-// do (Pairs), into 16 lane sums of their own; the block's scale (a power of two) then multiplies them into the
+// do in column tiles, into 16 lane sums of their own; the block's scale (a power of two) then multiplies them into the
 // row's 16 lanes (a fused multiply-add), block after block: 6.25 bits read per weight, where the codes expanded to
 // int8 at load read 8 and a factor per 32. With AVX512_VBMI and AVX512_BF16 (a byte permute and a bit-field select
 // unpack 64 codes, a 64-word permute looks them up); elsewhere plain code with the same sums, slow: there

@@ -3,13 +3,15 @@
 
 namespace {
 
-// x [M, K] @ w.T: w [N, K] (bf16 or fp32, times factors [N] or [N, K / block]); int4 tiles uint8 [N / 16, K / 32, 256]
+// x [M, K] @ w.T: w [N, K] (bf16 or fp32, times factors [N] or [N, K / block], by rows); bf16 tiles [N / 16, K / 32, 512]
+// (Bf16Codes); int4 tiles uint8 [N / 16, K / 32, 256]
 // (Int4Tiles); int8 tiles int8 [N / 16, K / 32, 512] (Int8Codes); MX 6-bit tiles uint8 [N / 16, K / 32, 384] with an
 // int16 table (Fp6Codes); or MX 6-bit codes as packed uint8 [N, K * 3 / 4] with a bf16 table (Fp6Table), factors their
 // E8M0 scales.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors,
                   const std::optional<at::Tensor>& table) {
   if (w.dim() == 3) {
+    if (w.scalar_type() == at::kBFloat16 && !factors) return bf16_tiles(x, w);
     TORCH_CHECK(factors, "few_rows: tiles need their factors");
     if (w.scalar_type() == at::kByte && !table) return int4_tiles(x, w, *factors);
     return wide_tiles(x, w, *factors, table);
@@ -21,7 +23,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
   check_rows(x, w.size(1));
   switch (w.scalar_type()) {
-    case at::kBFloat16: return pairs(x, w, factors);
+    case at::kBFloat16: return dense<uint16_t>(x, w, factors);
     case at::kFloat: return dense<float>(x, w, factors);
     default: TORCH_CHECK(false, "few_rows: weight dtype must be bfloat16 or float32 (or tiles), not ", w.scalar_type());
   }

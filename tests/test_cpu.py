@@ -480,13 +480,21 @@ def test_the_portable_build_gives_the_native_build_bits(tmp_path):
 
 
 def test_many_row_bf16_products_are_float32_products_where_the_cpu_lacks_bf16():
-    """A prompt's products (more than 33 tokens a row) in bf16 on a CPU without native bf16: PyTorch's bf16 GEMM runs
-    ~6x slower there than float32 (a SmolLM2 prefill took 1.4 s), so they are float32 products rounded once to
-    bf16, bit for bit; elsewhere, PyTorch's bf16 GEMM."""
+    """A prompt's products (more than 33 tokens a row) in bf16: in column tiles (in_features a multiple of 32), each
+    row exactly as a decode computes it alone; by rows (in_features 560) PyTorch's GEMM, where the CPU lacks native
+    bf16 in float32 rounded once to bf16 (its bf16 GEMM runs ~6x slower there: a SmolLM2 prefill took 1.4 s)."""
     import torch.nn.functional as F
+    assert kernels.load()
     torch.manual_seed(0)
-    layer = modules.Linear(576, 256, bias=True).bfloat16()
+    tiled = modules.Linear(576, 256, bias=True).bfloat16()
+    tiled.prepare()
     x = torch.randn(40, 576).bfloat16()
+    with torch.no_grad():
+        prompt = tiled(x)
+        assert all(torch.equal(prompt[i:i + 1], tiled(x[i:i + 1])) for i in (0, 17, 39))
+    layer = modules.Linear(560, 256, bias=True).bfloat16()
+    layer.prepare()
+    x = torch.randn(40, 560).bfloat16()
     if kernels.GEMM_IN_FLOAT32:
         expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
     else:

@@ -67,9 +67,10 @@ def int4_draft(qwen_pair, tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
     """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, a batch of 3 at K = 4 and 16
-    and one prompt alone at K = 1-3 and 5-7 (bf16; fp32 at 4 and 7). A verify's K + 1 rows then take every pass
-    the few-row kernels have (cpu/few_rows/tiles.h: one pass of 2-7 rows, 8 on AVX-512; 8 rows as 4 + 4 on AVX2,
-    17 as 5 + 6 + 6); the row counts in between repeat those passes. test_cpu holds each pass to one arithmetic.
+    and one prompt alone at K = 1-3 and 5-8 (bf16; fp32 at 4 and 7). A verify's K + 1 rows then take every pass
+    the column-tile kernels have (cpu/few_rows/columns.h: one pass of up to 8 rows on AVX-512, 9 as 4 + 5, 17 as
+    5 + 6 + 6; 4 a pass on AVX2); the row counts in between repeat those passes. test_cpu holds each pass to one
+    arithmetic.
     In bf16, the 0.5B in int4 as well (K = 4, a batch of 3): a quantized draft is another model, which changes
     alpha, never the tokens. The other formats draft SmolLM2 (test_quantize, test_bench); test_quantizers holds
     their math."""
@@ -79,7 +80,7 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
     target, draft = load_model(target_dir, "cpu", dtype), load_model(draft_dir, "cpu", dtype)
     drafter = ModelDrafter(draft)
     plain, _ = generate(target, prompts, 40, Steps())
-    for k in (1, 2, 3, 4, 5, 6, 7, 16) if dtype == torch.bfloat16 else (4, 7):
+    for k in (1, 2, 3, 4, 5, 6, 7, 8, 16) if dtype == torch.bfloat16 else (4, 7):
         batch = prompts if k in (4, 16) else prompts[:1]
         rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
         assert rows == plain[:len(batch)], k
@@ -95,9 +96,10 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
 
 
 def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path):
-    """The 1.5B quantized by quantize.py (int4, mxfp6) is another target: drafted by the 0.5B (int4), K = 4, a batch
-    of 3, its output is token for token that quantized target's own plain output. (An int8 target speculates on
-    SmolLM2 in test_bench; test_cpu holds every format's kernels to one arithmetic at 1-8, 16 and 17 rows.)"""
+    """The 1.5B quantized by quantize.py (int4, mxfp6) is another target: drafted by the 0.5B (int4), K = 4 with a
+    batch of 3 and K = 1-3 and 5-8 with one prompt, its output is token for token that quantized target's own plain
+    output. (An int8 target speculates on SmolLM2 in test_bench; test_cpu holds every format's kernels to one
+    arithmetic at 1-8, 16 and 17 rows.)"""
     import quantize
     target_dir, _ = qwen_pair
     tokenizer = Tokenizer(target_dir)
@@ -113,6 +115,8 @@ def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path
         rows, stats = generate(target, prompts, 32, Steps(), drafter=drafter, speculate_k=4)
         assert rows == plain, mode
         assert stats["alpha"] > 0.3, (mode, stats)
+        for k in (1, 2, 3, 5, 6, 7, 8):
+            assert generate(target, prompts[:1], 32, Steps(), drafter=drafter, speculate_k=k)[0] == plain[:1], (mode, k)
         del target
         path.unlink()
         gc.collect()

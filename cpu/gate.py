@@ -89,7 +89,8 @@ def served(module) -> bool:
     quantized, with in_features a multiple of 16."""
     weight = module.weight
     if type(module) is nn.Linear:
-        return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32) and weight.shape[1] % 16 == 0
+        return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
+                and weight.shape[1] % 16 == 0)
     return weight.device.type == "cpu"
 
 

@@ -73,9 +73,9 @@ def fp6_tiles(codes):
 
 
 class Int8Linear(quantize.Int8Linear):
-    """int8 codes in column tiles (pair_tiles) times each input row rounded to 16 bits per block of 32 (round_activations(x,
-    WIDE)): exact integer sums, then each block's d and the column's scale (few_rows/columns.h). Every number of rows,
-    a prompt's too."""
+    """int8 codes in column tiles (pair_tiles) times each input row rounded to 16 bits per block of 32
+    (round_activations(x, WIDE)): exact integer sums, then each block's d and the column's scale (few_rows/columns.h).
+    Every number of rows, a prompt's too."""
 
     def prepare(self, rows=1024):
         n, k = self.weight.shape
@@ -148,7 +148,8 @@ def integer_table(fmt: mx.ElementFormat) -> torch.Tensor:
     if ("integer", fmt.name) not in code_tables:
         multiple = fmt.integer_multiple
         values = (code_table(fmt).float() * multiple).short()
-        code_tables["integer", fmt.name] = torch.cat([values, torch.tensor([multiple.bit_length() - 1], dtype=torch.short)])
+        log2_multiple = torch.tensor([multiple.bit_length() - 1], dtype=torch.short)
+        code_tables["integer", fmt.name] = torch.cat([values, log2_multiple])
     return code_tables["integer", fmt.name]
 
 

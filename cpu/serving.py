@@ -51,7 +51,7 @@ def serve(transformer, products, mapped, one_call=True) -> list:
     if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding
         transformer.tok_embeddings.weight = transformer.output.weight
     head = transformer.output
-    if one_call and outputs(head.operands()[0]) == head.weight.shape[0]:  # a head padded to whole tiles: no
+    if one_call and outputs(head.operands()[0]) == head.weight.shape[0]:  # unless the head's tiles are padded
         transformer.forward = OneCallStep(transformer, step_products + [head])
     return originals
 

@@ -20,8 +20,9 @@ Every row is set up first, with a warm-up (for compiled rows the cold compile, t
 cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
 --max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
 hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
-token x tok/s as % of the memory bandwidth this script measures itself, the ratio of medians to the first row,
-and the range of the ratios turn by turn (how far the rows drift apart within the run).
+token x tok/s as % of the memory bandwidth this script measures itself (the most its probe read, before the rows and
+after each prompt), the ratio of medians to the first row, and the range of the ratios turn by turn (how far the
+rows drift apart within the run).
 
 --random_weights CONFIG runs a model of that config.json's shapes with random weights (no checkpoint needed: a
 Llama-2-7B-shaped target on a GPU, say), on random prompts; its quant-MODE rows quantize it in memory and its
@@ -371,9 +372,10 @@ def set_up(rows, opts, model, prompts, step_bytes):
     return setups
 
 
-def timed_turns(setups, n_prompts, runs, contended=False):
+def timed_turns(setups, n_prompts, runs, contended=False, after_each_prompt=None):
     """For each prompt and run, every row once: per row, a list of (decode tok/s, tokens, stats). Contended: each
-    such turn runs on the idle machine, then again beside a busy process; returns (idle, busy)."""
+    such turn runs on the idle machine, then again beside a busy process; returns (idle, busy). after_each_prompt()
+    runs after each prompt's turns."""
     loads = (False, True) if contended else (False,)
     results = {busy: [[] for _ in setups] for busy in loads}
     for i in range(n_prompts):
@@ -385,6 +387,8 @@ def timed_turns(setups, n_prompts, runs, contended=False):
                     turn = [setup[3](i) for setup in setups]
                 for j, result in enumerate(turn):
                     results[busy][j].append(result)
+        if after_each_prompt:
+            after_each_prompt()
     return tuple(results[busy] for busy in loads)
 
 
@@ -465,7 +469,10 @@ def bench(opts):
     else:
         tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
         prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
-    bandwidth = memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)
+    # A shared VM's bandwidth swings (30-55 GB/s within minutes on Zen 4): the probe runs before the rows and after
+    # every prompt, and the roofline is the most it read.
+    readings = [memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)]
+    bandwidth = readings[0]
     step_bytes = backend.report(model).step_bytes
     where = torch.cuda.get_device_name(opts.device) if opts.device.startswith("cuda") else \
         f"{torch.get_num_threads()} threads"
@@ -476,10 +483,11 @@ def bench(opts):
           f"{opts.runs} runs each{', idle and beside a busy process' if opts.contended else ''}")
     print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
     setups = set_up(rows, opts, model, prompts, step_bytes)
-    results = timed_turns(setups, len(prompts), opts.runs, opts.contended)
-    after = memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)
-    print(f"# read bandwidth measured again after the rows: {after:.1f} GB/s; the table's roofline is the higher")
-    bandwidth = max(bandwidth, after)
+    results = timed_turns(setups, len(prompts), opts.runs, opts.contended, after_each_prompt=lambda: readings.append(
+        memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)))
+    bandwidth = max(readings)
+    print(f"# read bandwidth measured before the rows and after each prompt: {min(readings):.1f}-{bandwidth:.1f} GB/s "
+          f"({len(readings)} probes); the table's roofline is the highest")
     if opts.contended:
         report_contended(setups, *results, opts.runs)
     else:

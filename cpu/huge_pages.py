@@ -1,7 +1,9 @@
 """The weights a step streams, copied into transparent huge pages: a TLB miss every 4 KiB of a stream read at tens
 of GB/s costs what docs/performance.md shows."""
+import ctypes
 import math
 import mmap
+import sys
 
 import torch
 
@@ -18,6 +20,16 @@ def huge_page_memory(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region alive as long as a view of it lives
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
+
+
+def give_back_heap():
+    """Return the heap's free pages to the OS (glibc's malloc_trim): the layouts made at load on the heap are freed
+    once copied into huge pages, but the heap keeps their pages (the 1.5B in bf16 held 0.95 GB more without this)."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except AttributeError:  # a C library other than glibc
+            pass
 
 
 class HugePages:

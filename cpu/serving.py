@@ -4,7 +4,7 @@ import model
 from checkpoint import release_file_pages
 from cpu.gate import ONE_CALL, edited, one_call_possible
 from cpu.kernels import STEP_TOKENS, outputs
-from cpu.huge_pages import HugePages, move_to_huge_pages
+from cpu.huge_pages import HugePages, give_back_heap, move_to_huge_pages
 from cpu.modules import PRODUCTS, Attention
 from cpu.one_call import OneCallStep, Stack
 
@@ -48,6 +48,7 @@ def serve(transformer, products, mapped, one_call=True) -> list:
         if prefix == "output." and transformer.args.tie_embeddings and "tok_embeddings.weight" in mapped:
             names.append("tok_embeddings.weight")
         release_file_pages(mapped[n] for n in names)
+        give_back_heap()
     if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding
         transformer.tok_embeddings.weight = transformer.output.weight
     head = transformer.output

@@ -469,9 +469,12 @@ def bench(opts):
     else:
         tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
         prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
-    # A shared VM's bandwidth swings (30-55 GB/s within minutes on Zen 4): the probe runs before the rows and after
-    # every prompt, and the roofline is the most it read.
-    readings = [memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)]
+    # A shared VM's bandwidth swings within minutes: it is read before the rows and after every prompt, and the
+    # roofline is the most it read.
+    def read_bandwidth():
+        readings.append(memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device))
+    readings = []
+    read_bandwidth()
     bandwidth = readings[0]
     step_bytes = backend.report(model).step_bytes
     where = torch.cuda.get_device_name(opts.device) if opts.device.startswith("cuda") else \
@@ -483,8 +486,7 @@ def bench(opts):
           f"{opts.runs} runs each{', idle and beside a busy process' if opts.contended else ''}")
     print(f"# weights read per token: {step_bytes / 1e6:.1f} MB; measured memory read bandwidth: {bandwidth:.1f} GB/s")
     setups = set_up(rows, opts, model, prompts, step_bytes)
-    results = timed_turns(setups, len(prompts), opts.runs, opts.contended, after_each_prompt=lambda: readings.append(
-        memory_bandwidth_gb_s(4096 if opts.device != "cpu" else 1024, device=opts.device)))
+    results = timed_turns(setups, len(prompts), opts.runs, opts.contended, after_each_prompt=read_bandwidth)
     bandwidth = max(readings)
     print(f"# read bandwidth measured before the rows and after each prompt: {min(readings):.1f}-{bandwidth:.1f} GB/s "
           f"({len(readings)} probes); the table's roofline is the highest")

@@ -67,5 +67,5 @@ def step_bytes(model, streamed=None) -> int:
 def held_bytes(model, extra=()) -> int:
     """Bytes of weights the process holds, each storage counted once: the model's weights and `extra`, a
     backend's own layouts of them."""
-    tensors = list(weights(model).values()) + [t for t in extra if isinstance(t, torch.Tensor)]
+    tensors = [t for t in list(weights(model).values()) + list(extra) if isinstance(t, torch.Tensor) and not t.is_meta]
     return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}.values())

@@ -14,13 +14,19 @@ from cpu.kernels import STEP_TOKENS, TILE, many_rows, product, step_rows
 class Linear(nn.Linear):
     """nn.Linear. bf16 weights (in_features a multiple of 32): in column tiles (pair_tiles), every number of rows
     through few_rows.cpp, a prompt's too, each row with the arithmetic it gets alone (a verify computes the logits a
-    decode would); the embedding a head is tied to keeps the weight as it is. Others (float32): a step's rows through
-    few_rows.cpp, a prompt's through PyTorch's GEMM."""
+    decode would); the tiles are then its only copy (restore rebuilds the weight), but where an embedding shares the
+    weight (a tied head). Others (float32): a step's rows through few_rows.cpp, a prompt's through PyTorch's GEMM."""
 
-    def prepare(self):
+    def prepare(self, shared=()):
         self.tiles = None
         if self.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0:
             self.tiles = pair_tiles(self.weight.detach())
+            if not any(self.weight is t for t in shared):  # a weight made from a float32 file would be held twice
+                self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+
+    def restore_weight(self):
+        if self.weight.is_meta:
+            self.weight = nn.Parameter(pair_weights(self.tiles, self.out_features), requires_grad=False)
 
     def operands(self):  # (weight, factors, table) as few_rows.cpp takes them
         return (self.weight if self.tiles is None else self.tiles), None, None
@@ -54,6 +60,12 @@ def pair_tiles(weight):
     weight = padded(weight, whole_tiles(weight.shape[0]))
     n, k = weight.shape
     return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
+
+
+def pair_weights(tiles, n):
+    """pair_tiles' inverse: the weights [n, K] its tiles hold."""
+    t, b = tiles.shape[:2]
+    return tiles.view(t, b, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(t * 16, b * 32)[:n].clone()
 
 
 def block_tiles(factors):

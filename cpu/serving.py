@@ -5,7 +5,7 @@ from checkpoint import release_file_pages
 from cpu.gate import ONE_CALL, edited, one_call_possible
 from cpu.kernels import STEP_TOKENS, outputs
 from cpu.huge_pages import HugePages, give_back_heap, move_to_huge_pages
-from cpu.modules import PRODUCTS, Attention
+from cpu.modules import PRODUCTS, Attention, Linear
 from cpu.one_call import OneCallStep, Stack
 
 # The attributes the backend's modules add: restore drops them.
@@ -33,7 +33,10 @@ def serve(transformer, products, mapped, one_call=True) -> list:
             mine = [m for m in (attention.wq, attention.wk, attention.wv, attention.wo, mlp.w1,
                                 getattr(mlp, "w3", None), mlp.w2) if m is not None and m in products]
         for m in mine:
-            m.prepare()
+            if isinstance(m, Linear):
+                m.prepare(shared=[transformer.tok_embeddings.weight])
+            else:
+                m.prepare()
         if one_call and part is not transformer.output:
             qkv = [part.attention.wq, part.attention.wk, part.attention.wv]
             gate_up = [part.feed_forward.w1, part.feed_forward.w3]
@@ -75,6 +78,8 @@ def served_report(transformer, products) -> backend.Report:
 def restore(transformer, originals):
     """Put the model back on model.py's modules (the weights stay where the backend copied them)."""
     for module, kind in originals:
+        if isinstance(module, Linear):
+            module.restore_weight()
         module.__class__ = kind
         for name in RUNTIME:
             module.__dict__.pop(name, None)

@@ -742,6 +742,25 @@ def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, 
                         r"kernels\n", warnings_in(capsys.readouterr().err))
 
 
+def test_bf16_tiles_are_a_product_s_only_copy_and_restore_gives_model_py_its_weights_back():
+    """A served bf16 product holds its weight only in its column tiles (its weight is on the meta device: no
+    memory), but where an embedding shares it; restoring the model gives model.py every weight back bit for bit."""
+    from cpu.serving import restore, serve
+    assert kernels.load()
+    for tie in (False, True):
+        torch.manual_seed(0)
+        m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                              intermediate_size=96, tie_embeddings=tie)).to(torch.bfloat16).eval()
+        before = {name: t.clone() for name, t in m.state_dict().items()}
+        products = [p for p in m.modules() if type(p) is torch.nn.Linear]
+        originals = serve(m, products, {})
+        assert all(p.weight.is_meta for p in products if p is not m.output)
+        assert m.output.weight.is_meta != tie and not m.tok_embeddings.weight.is_meta
+        restore(m, originals)
+        after = m.state_dict()
+        assert all(torch.equal(before[name], after[name]) for name in before if "cache" not in name), tie
+
+
 def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsys):
     """The canary's second line of defence: QK-norm edited into Attention.forward with its fingerprint updated as if
     the one-call step implemented it (it does not): the one-call step's logits differ from model.py's forward, so

@@ -170,6 +170,19 @@ def check_request(opts):
     return ckpt_dir, tokenizer, prompt, chat, check_context
 
 
+def slow_path_notes(opts, served, device) -> list[str]:
+    """The flags that leave a model slower than the user may think, each as one line naming the faster choice."""
+    if torch.device(device).type != "cpu":
+        return []
+    if opts.backend == "torch" and not opts.compile:
+        return ["note: --backend torch runs model.py eagerly, a PyTorch call per operation (SmolLM2 in bf16: 2-24 "
+                "tok/s, served ~85); add --compile, or drop --backend torch for the CPU backend"]
+    if (opts.compile or opts.compile_prefill) and not served.compile_steps:
+        return [f"note: --compile{'_prefill' if not opts.compile else ''} changes nothing here: the CPU backend's "
+                "steps run as they are (compiled they gain nothing); it compiles model.py with --backend torch"]
+    return []
+
+
 def say_phases(name, seconds, phases):
     print(f"{name} in {seconds:.2f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), file=sys.stderr)
 
@@ -198,11 +211,15 @@ def run(opts):
         served = report(model)
         print(f"backend {served.name}: {served.serves}" + (f" ({served.fallback})" if served.fallback else ""),
               file=sys.stderr)
+    notes = slow_path_notes(opts, report(model), device)
+    if rank0:
+        for line in notes:
+            print(line, file=sys.stderr)
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
     warm_up = prompt or chat.tokenizer.encode("Hello", bos=False)
     presize_caches(model, drafter, opts.batch_size, len(warm_up), opts.max_new_tokens, opts.speculate_k)
-    if opts.compile or opts.compile_prefill:  # compile on a short warm-up so the timed runs are steady
+    if (opts.compile or opts.compile_prefill) and report(model).compile_steps:  # warmed up: timed runs are steady
         t = time.perf_counter()
         generate(model, [warm_up] * opts.batch_size, 12 if drafter else 3, steps, **sampling, **speculation)
         compile_s = time.perf_counter() - t
@@ -268,7 +285,11 @@ def run_chat(opts, chat, prompt, check_context, tokenizer, run_one, metrics, ran
             if stream:
                 stream.finish()
         chat.answer(rows[0])
-        say(opts, rows, stats, dict(turn=turn), tokens, tokenizer, chat.stop_ids, metrics, rank0, shown=True)
+        cut = not rows[0] or rows[0][-1] not in chat.stop_ids  # ended by --max_new_tokens, not by the template
+        if cut and rank0 and not opts.json:
+            print(f"[the reply was cut at --max_new_tokens {opts.max_new_tokens}; raise it for whole replies]",
+                  file=sys.stderr)
+        say(opts, rows, stats, dict(turn=turn, cut=cut), tokens, tokenizer, chat.stop_ids, metrics, rank0, shown=True)
 
 
 def say(opts, rows, stats, which, prompt, tokenizer, stop_ids, metrics, rank0, shown, context=()):

@@ -13,6 +13,8 @@ report (backend.Report), kept with the model: what callers read, never the modul
 import sys
 import time
 
+import torch
+
 import backend
 import tp
 from checkpoint import release_file_pages
@@ -43,9 +45,15 @@ def apply(transformer, mapped=None, phases=None) -> backend.Report:
 
 
 def try_to_serve(transformer, phases, mapped) -> backend.Report:
+    if transformer.tok_embeddings.weight.device.type != "cpu":
+        return backend.torch_report(transformer)
+    if transformer.tok_embeddings.weight.dtype == torch.float16:
+        reason = "none of its kernels takes fp16, and PyTorch's fp16 products on a CPU are slow (SmolLM2: 3 tok/s)"
+        warn(reason + "; --dtype bf16 (the default) or fp32 are served", "the model runs on model.py's PyTorch path")
+        return backend.torch_report(transformer, reason)
     products = [m for m in transformer.modules() if type(m) in PRODUCTS and served(m)]
-    if transformer.tok_embeddings.weight.device.type != "cpu" or not products:
-        return backend.torch_report(transformer)  # an fp16 model, say: nothing here multiplies fp16 weights
+    if not products:
+        return backend.torch_report(transformer)
     reason = unsupported(transformer)
     if reason:
         warn(reason)

@@ -157,3 +157,17 @@ def test_the_end_of_turn_is_the_token_the_template_closes_a_reply_with(smollm2):
     ckpt, _ = smollm2
     tokenizer = Tokenizer(ckpt)
     assert ChatTemplate(ckpt).end_of_turn(tokenizer) == {tokenizer.encode("<|im_end|>", bos=False)[0]}
+
+
+def test_a_reply_cut_by_max_new_tokens_says_so(smollm2, monkeypatch):
+    """A reply that --max_new_tokens ends before the template's end of turn says so in one line (and its JSON
+    record has cut true); a whole reply says nothing."""
+    ckpt, _ = smollm2
+    cut = cli("--checkpoint_path", ckpt, "--chat", "--temperature", "0", "--max_new_tokens", "4", "--prompt",
+              MESSAGES[0])
+    assert cut.returncode == 0 and "[the reply was cut at --max_new_tokens 4; raise it" in cut.stderr
+    whole = cli("--checkpoint_path", ckpt, "--chat", "--temperature", "0", "--max_new_tokens", "48", "--prompt",
+                MESSAGES[0])
+    assert whole.returncode == 0 and "cut at" not in whole.stderr
+    records, _ = chat(monkeypatch, ckpt, "--max_new_tokens", "4", turns=MESSAGES[:1])
+    assert [r["cut"] for r in records] == [True]

@@ -257,6 +257,7 @@ def test_a_refusal_is_remembered_too(monkeypatch, tmp_path, capsys):
     """A canary that fails once is not run again for the same model: the warning repeats, marked remembered."""
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu.canary, "TOLERANCE", 0.0)
+    monkeypatch.setattr(cpu.canary, "noise_floor", lambda *args: 0.0)
     monkeypatch.setattr(cpu.canary, "ONE_CALL_FP32", -1.0)
     torch.manual_seed(0)
     m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -761,6 +761,30 @@ def test_bf16_tiles_are_a_product_s_only_copy_and_restore_gives_model_py_its_wei
         assert all(torch.equal(before[name], after[name]) for name in before if "cache" not in name), tie
 
 
+def test_the_canary_s_bound_is_twice_the_model_s_own_noise_where_that_is_larger(monkeypatch, tmp_path):
+    """A deep model of random weights has nearly flat logits, which one unit in the last place at every layer moves as
+    far as the backend's other order of sums does (the 1.5B's shapes in int4: 0.065 and 0.063 RMS, over the fixed
+    bound 0.05, and the backend was refused for a correct kernel). The bound is twice that noise floor where it
+    exceeds TOLERANCE: here TOLERANCE is set below both, so the floor alone lets the backend serve; without the floor
+    the same model is refused. A real model's floor stays under the fixed bound (SmolLM2 int4: 0.023)."""
+    import cpu.canary as canary
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(canary, "TOLERANCE", 1e-4)
+    floors = []
+    measured = canary.noise_floor
+    monkeypatch.setattr(canary, "noise_floor", lambda *args: floors.append(measured(*args)) or floors[-1])
+    assert served_model(torch.bfloat16) is not None and floors and floors[0] > 1e-3
+    monkeypatch.setattr(canary, "noise_floor", lambda *args: 0.0)
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "without the floor"))  # not the verdict remembered above
+    torch.manual_seed(0)
+    m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                          intermediate_size=96))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    assert cpu.apply(m.to(torch.bfloat16).eval()).name == "torch"
+
+
 def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsys):
     """The canary's second line of defence: QK-norm edited into Attention.forward with its fingerprint updated as if
     the one-call step implemented it (it does not): the one-call step's logits differ from model.py's forward, so

@@ -157,6 +157,26 @@ def test_verbose_says_what_the_backend_serves(tiny):
     assert lines["torch"] == ["backend torch: nothing (model.py's PyTorch)"], lines
 
 
+def test_slow_paths_say_so_in_one_line_with_the_faster_choice(tiny):
+    """No silent slow path on a CPU: fp16 (no kernel takes it), --backend torch without --compile (model.py eagerly),
+    --compile where the CPU backend serves (its steps are not compiled: no 'compiled in', no warm-up); each says
+    what the user gets and the faster choice in one line. The served default says none of them."""
+    ckpt, _ = tiny("llama_gqa_tied")
+    common = ["--checkpoint_path", str(ckpt), "--prompt", "hello", "--max_new_tokens", "2"]
+
+    def lines(*flags):
+        result = cli(*common, *flags)
+        assert result.returncode == 0, result.stderr
+        return [line for line in result.stderr.splitlines() if line.startswith(("warning:", "note:"))], result.stderr
+    assert lines()[0] == []
+    said, _ = lines("--dtype", "fp16")
+    assert len(said) == 1 and "fp16" in said[0] and "--dtype bf16 (the default) or fp32" in said[0], said
+    said, _ = lines("--backend", "torch")
+    assert len(said) == 1 and "--backend torch runs model.py eagerly" in said[0] and "add --compile" in said[0], said
+    said, err = lines("--compile")
+    assert len(said) == 1 and "--compile changes nothing here" in said[0] and "compiled in" not in err, said
+
+
 def assert_one_line_error(result, *fragments):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr

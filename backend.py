@@ -8,6 +8,11 @@ import sys
 import torch
 
 
+# Tokens a row of the longest verify anything runs or checks (K = 16 drafts + 1; a longer verify paid on no CPU or GPU
+# measured). A backend's report may lower it (max_verify_tokens): what it computes exactly.
+LONGEST_VERIFY = 17
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     name: str = "torch"  # "cpu", "cuda", or "torch": model.py's PyTorch alone

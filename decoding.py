@@ -8,7 +8,7 @@ import time
 import torch
 
 import tp
-from backend import report
+from backend import LONGEST_VERIFY, report
 from checkpoint import InputError
 from threads import ThreadSizer
 from model import ModelArgs
@@ -65,14 +65,16 @@ def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extr
 
 
 def most_drafts(speculate_k, verify_limit=None) -> int:
-    """The most drafts a round verifies: speculate_k, or for "auto" the most speculative.AdaptiveK tries, lowered to
-    what the backend verifies exactly (verify_limit tokens a row, backend.Report.max_verify_tokens; None: any). A
-    speculate_k past that limit is an error."""
+    """The most drafts a round verifies: speculate_k, or for "auto" the most speculative.AdaptiveK tries; at most
+    backend.LONGEST_VERIFY - 1, lowered to what the backend verifies exactly (verify_limit tokens a row,
+    backend.Report.max_verify_tokens; None: no lower limit). A speculate_k past that is an error."""
+    limit = min(LONGEST_VERIFY, verify_limit or LONGEST_VERIFY)
     if speculate_k == "auto":
-        return AdaptiveK.k_max if verify_limit is None else min(AdaptiveK.k_max, verify_limit - 1)
-    if verify_limit is not None and speculate_k + 1 > verify_limit:
-        raise InputError(f"--speculate_k {speculate_k}: at most {verify_limit - 1} (or auto) with this backend, whose "
-                         f"verify computes at most {verify_limit} tokens a row exactly")
+        return min(AdaptiveK.k_max, limit - 1)
+    if speculate_k + 1 > limit:
+        raise InputError(f"--speculate_k {speculate_k}: at most {limit - 1} (or auto)" + (
+            f" with this backend, whose verify computes at most {limit} tokens a row exactly" if limit < LONGEST_VERIFY
+            else ": a longer verify paid on no CPU or GPU measured"))
     return speculate_k
 
 

@@ -24,7 +24,7 @@ from backend import report
 from chat import Chat, ChatTemplate
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint
 from decoding import Steps, generate, plan, presize_caches
-from loading import BACKENDS, DTYPES, check_device, draft_mode, load_model, make_drafter, verify_limit
+from loading import BACKENDS, DTYPES, check_device, draft_mode, load_model, make_drafter
 from model import ModelArgs
 from tokenizer import TextStream, Tokenizer
 
@@ -147,11 +147,10 @@ def check_request(opts):
     tokenizer = Tokenizer(ckpt_dir)
     draft_args = check_draft(opts, tokenizer, args)
     speculate_k = opts.speculate_k if opts.draft_checkpoint or opts.draft == "ngram" else None
-    limit = verify_limit(opts.device, opts.backend)
 
     def check_context(tokens):  # the request's plan, for the target and the draft: K, the cache
         for model_args in (args, draft_args) if draft_args else (args,):
-            plan(model_args, len(tokens), opts.max_new_tokens, speculate_k, limit)
+            plan(model_args, len(tokens), opts.max_new_tokens, speculate_k)
 
     chat = None
     if opts.chat:

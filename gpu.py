@@ -11,7 +11,7 @@ _weight_int4pack_mm: the weight is never dequantized. Inputs are rounded as the 
 
 Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. On CUDA
 that is not given (cuBLAS picks kernels by shape, attention splits by query length), so before the model serves,
-exact_verify_tokens runs one product of each shape and the attention at 1 and up to MOST_ROWS rows, bit for bit, and
+exact_verify_tokens runs one product of each shape and the attention at 1 and up to backend.LONGEST_VERIFY rows, bit for bit, and
 the report says the longest verify that held (backend.Report.max_verify_tokens). The target's steps are compiled
 without coordinate-descent tuning (speculative.compile_options), which would rewrite one-row products only.
 """
@@ -25,7 +25,6 @@ import mx
 import quantize
 
 TOLERANCE = 0.01  # relative RMS against the reference forward, in bf16
-MOST_ROWS = 17  # the longest verify checked: K = 16, speculative.AdaptiveK's largest
 RUNS_REFERENCE = "int4 layers run quantize.py's reference forward"
 
 
@@ -101,7 +100,7 @@ def products(model) -> dict:
     return found
 
 
-def exact_verify_tokens(model, most=MOST_ROWS) -> tuple[int, str]:
+def exact_verify_tokens(model, most=backend.LONGEST_VERIFY) -> tuple[int, str]:
     """The longest verify (tokens a row, 1 to `most`) whose every row equals, bit for bit, that row computed alone:
     one product of each kind and shape (products) and layer 0's attention over a cache of the model's whole context
     (where a split of the keys would show), on random inputs in the model's dtype. -> (rows, the first difference

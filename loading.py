@@ -95,12 +95,6 @@ def apply_backend(model, mapped=None, phases=None) -> backend.Report:
     return backend.report(model)
 
 
-def verify_limit(device, backend="auto") -> int | None:
-    """The longest verify (K + 1 tokens a row) that the backend a model on `device` would get computes exactly, known
-    before it loads (its report says so after: backend.Report.max_verify_tokens); None: no limit."""
-    return cpu.MAX_VERIFY_TOKENS if backend == "auto" and torch.device(device).type == "cpu" else None
-
-
 DRAFT_FORMS = ("auto", "none", *quantize.MODES)
 
 

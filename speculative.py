@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from backend import report
+from backend import LONGEST_VERIFY, report
 from sampling import argmax, logits_to_probs
 
 def compile_options(device, same_rows=True) -> dict:
@@ -170,7 +170,7 @@ class AdaptiveK:
     Small steps, though compiling is not what they save: the second K seen turns the compiled verify into one
     graph for any K (dynamo's automatic dynamic shapes), and no K after it compiles."""
 
-    k_max = 16  # the most it ever tries (a longer verify paid on no CPU or GPU measured); a caller may lower it
+    k_max = LONGEST_VERIFY - 1  # the most it ever tries; a caller may lower it
 
     def __init__(self, k=4, every=8, decay=0.8, k_max=None):
         self.k, self.every, self.decay = k, every, decay

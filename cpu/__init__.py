@@ -22,10 +22,10 @@ from cpu import kernels
 from cpu.canary import check_and_serve
 from cpu.gate import ONE_CALL, edited, one_call_possible, served, unsupported
 from cpu.modules import PRODUCTS
-from cpu.serving import MAX_VERIFY_TOKENS, serve, served_report
+from cpu.serving import serve, served_report
 from cpu.verdicts import remember, remembered, verdict_key
 
-__all__ = ["apply", "MAX_VERIFY_TOKENS"]
+__all__ = ["apply"]
 
 
 def warn(message, runs="the model runs on model.py's PyTorch path"):

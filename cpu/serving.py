@@ -10,7 +10,6 @@ from cpu.one_call import OneCallStep, Stack
 
 # The attributes the backend's modules add: restore drops them.
 RUNTIME = ("tiles", "tile_factors", "scale_factors", "values", "block_factors", "table")
-MAX_VERIFY_TOKENS = STEP_TOKENS  # a step of more tokens a row goes to PyTorch's GEMM, which rounds otherwise
 
 
 def serve(transformer, products, mapped, one_call=True) -> list:
@@ -72,7 +71,7 @@ def served_report(transformer, products) -> backend.Report:
         one_call_step=one_call, compile_steps=False, sizes_threads=one_call,  # each output summed by one thread
         step_bytes=backend.step_bytes(transformer, {m: (*ops[:2], m.bias) for m, ops in operands.items()}),
         held_bytes=backend.held_bytes(transformer, [t for ops in operands.values() for t in ops]),
-        max_verify_tokens=MAX_VERIFY_TOKENS)
+        max_verify_tokens=STEP_TOKENS)  # a step of more tokens a row goes to PyTorch's GEMM, which rounds otherwise
 
 
 def restore(transformer, originals):

@@ -60,7 +60,7 @@ from checkpoint import InputError, OneLineErrors, read_model_args, resolve_check
 import backend  # noqa: E402
 import cpu  # noqa: E402
 from decoding import Steps, generate, presize_caches  # noqa: E402
-from loading import DTYPES, apply_backend, check_device, load_model, make_drafter, verify_limit  # noqa: E402
+from loading import DTYPES, apply_backend, check_device, load_model, make_drafter  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from prompts import humaneval_tasks  # noqa: E402
 from speculative import ModelDrafter, expected_speedup  # noqa: E402
@@ -218,7 +218,7 @@ def check_rows(rows, opts):
                 raise InputError(f"--rows {row}: unknown drafter '{drafter}'; use self, random, ngram, draft, "
                                  "draft.MODE or MODE (MODE a quantize.py mode)")
             k = k or opts.speculate_k
-            limit = verify_limit(opts.device, opts.backend)  # the verify the backend computes exactly
+            limit = backend.LONGEST_VERIFY  # a backend may lower it: the rows then say so
             if k != "auto" and not (k.isdigit() and int(k) >= 1 and (limit is None or int(k) < limit)):
                 raise InputError(f"--rows {row}: K '{k}' must be auto or an integer, at least 1"
                                  + (f" and at most {limit - 1}" if limit else ""))

@@ -292,8 +292,8 @@ def test_bad_safetensors_headers_give_one_line_errors(tiny, tmp_path, header, me
     (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--top_p", "nan"], "--top_p"),
-    (["--draft", "ngram", "--speculate_k", "33"], "--speculate_k 33: at most 32"),
-    (["--draft", "ngram", "--speculate_k", "1000"], "--speculate_k 1000: at most 32"),
+    (["--draft", "ngram", "--speculate_k", "17"], "--speculate_k 17: at most 16 (or auto): a longer verify paid"),
+    (["--draft", "ngram", "--speculate_k", "1000"], "--speculate_k 1000: at most 16"),
     (["--backend", "cuda"], "--backend cuda: unknown; use auto or torch"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: not available")]))
 def test_cli_rejects_numbers_out_of_range(tiny, flags, message):

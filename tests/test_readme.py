@@ -107,3 +107,21 @@ def test_callers_read_the_backend_s_report_not_its_attributes():
                 words.update(a.value for a in node.args[1:] if isinstance(a, ast.Constant))
             found += sorted(w for w in words & (BACKEND_INTERNALS | {"probe"}))
         assert not found, (name, found)
+
+
+def test_the_longest_verify_is_defined_once():
+    """backend.LONGEST_VERIFY is the one definition of the longest verify (K + 1 tokens a row): no other module of
+    the project assigns a verify limit, a largest K or a number of rows to check from a number of its own."""
+    import ast
+    limits = re.compile(r"(verify|k_max|most_rows|max_k|longest)", re.IGNORECASE)
+    found = []
+    for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("cpu/*.py")) + sorted(ROOT.glob("scripts/*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) and node.value is not None else []
+            for target in targets:
+                name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                if limits.search(name) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int) \
+                        and not isinstance(node.value.value, bool):
+                    found.append(f"{path.relative_to(ROOT)}: {name} = {node.value.value}")
+    assert found == ["backend.py: LONGEST_VERIFY = 17"], found

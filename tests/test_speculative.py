@@ -5,6 +5,7 @@ import zlib
 import pytest
 import torch
 
+import backend
 from prompts import humaneval_tasks
 from decoding import Steps, generate
 from loading import load_model
@@ -330,5 +331,5 @@ def test_the_cuda_backends_rows_check_on_the_cpu(monkeypatch):
     import test_cuda
     monkeypatch.setattr(test_cuda, "DEVICE", "cpu")
     monkeypatch.setattr(test_cuda, "ON_CUDA", False)
-    assert gpu.exact_verify_tokens(test_cuda.on_device()) == (gpu.MOST_ROWS, "")
+    assert gpu.exact_verify_tokens(test_cuda.on_device()) == (backend.LONGEST_VERIFY, "")
     test_cuda.test_the_rows_check_finds_the_first_verify_that_differs()

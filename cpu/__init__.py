@@ -20,8 +20,9 @@ import tp
 from checkpoint import release_file_pages
 from cpu import kernels
 from cpu.canary import check_and_serve
-from cpu.gate import ONE_CALL, edited, one_call_possible, served, unsupported
+from cpu.gate import ATTEND, ONE_CALL, REPLACED, edited, one_call_possible, served, unsupported
 from cpu.modules import PRODUCTS
+from cpu.one_call import model_py_parts
 from cpu.serving import serve, served_report
 from cpu.verdicts import remember, remembered, verdict_key
 
@@ -62,9 +63,15 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
     if not kernels.load():
         return backend.torch_report(transformer, "few_rows.cpp did not build")
     phases["kernels"] = time.perf_counter() - start
-    changed = edited(ONE_CALL) if one_call_possible(transformer, set(products)) else []
+    step = one_call_possible(transformer, set(products))
+    changed = edited({**(ONE_CALL if step else {}), **{name: REPLACED[name] for name in ATTEND}})
+    edits = {name for name, _ in changed}
     if changed:
-        warn("{} is not the math its one-call step implements: {}".format(*changed[0]), AROUND)
+        name, why = changed[0]
+        parts = model_py_parts(edits) if step else "attention"
+        warn(f"{name} is not the math its {'kernels implement' if name in ATTEND else 'one-call step implements'}: "
+             f"{why}", "steps run model.py's forward" + (f", its {parts} as model.py's code" if parts else "")
+             + ", the rest in few_rows.cpp's calls")
     start = time.perf_counter()
     key = verdict_key(transformer)
     known = remembered(key)
@@ -78,16 +85,18 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
         one_call = known.get("one_call", True)
         if isinstance(one_call, str):
             warn(f"{one_call} (remembered from its check)", AROUND)
-        serve(transformer, products, mapped, not isinstance(one_call, str))
+        _, parts = serve(transformer, products, mapped, not isinstance(one_call, str))
+        if parts is not None:
+            parts.install(edits)
         phases["serve"] = time.perf_counter() - start
-        return served_report(transformer, products)
+        return served_report(transformer, products, model_py_parts(edits))
     say = tp.is_rank0()  # under torchrun, rank 0 speaks for all
     if say:
         print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
               "torch)...", end="", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        reason, one_call = check_and_serve(transformer, products, mapped, phases)
+        reason, one_call = check_and_serve(transformer, products, mapped, phases, edits)
     except BaseException:
         if say:
             print(" interrupted", file=sys.stderr)
@@ -101,4 +110,4 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
     if reason:
         warn(reason)
         return backend.torch_report(transformer, reason)
-    return served_report(transformer, products)
+    return served_report(transformer, products, model_py_parts(edits))

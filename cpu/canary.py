@@ -9,10 +9,8 @@ import time
 
 import torch
 
-import model
 import quantize
 from checkpoint import release_file_pages
-from cpu.one_call import OneCallStep
 from cpu.serving import restore, serve
 
 # The backend against PyTorch's kernels: the RMS of the logits' difference over the logits' RMS (what was measured
@@ -80,10 +78,11 @@ def rounds_inputs(module) -> bool:
             or getattr(module, "tiles", None) is not None)
 
 
-def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, bool | str]:
+def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) -> tuple[str | None, bool | str]:
     """The canary: model.py in PyTorch, then served (model.py's forward around the products and attention, and the
-    one-call step). -> (None where the backend serves, else why not, with the model put back on model.py's modules;
-    True where the one-call step serves, else why it does not: where it differs from the forward around the same
+    backend's step: the one-call step, or where `edits` names functions of model.py a fork edited, a call per module
+    that it left unedited). -> (None where the backend serves, else why not, with the model put back on model.py's
+    modules; True where that step serves, else why it does not: where it differs from the forward around the same
     kernels, steps run that forward instead)."""
     transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
     with torch.no_grad():
@@ -94,26 +93,28 @@ def check_and_serve(transformer, products, mapped, phases) -> tuple[str | None, 
     tolerance = max(TOLERANCE, 2 * noise_floor(transformer, state, expected))
     release_file_pages(mapped.values())  # serve reads each layer again, and gives its pages back after
     start = time.perf_counter()
-    originals = serve(transformer, products, mapped)
+    originals, parts = serve(transformer, products, mapped)
     phases["serve"] = time.perf_counter() - start
-    around = canary(transformer, lambda *a: model.Transformer.forward(transformer, *a), state)
-    one_call = isinstance(transformer.forward, OneCallStep)
-    if one_call:
-        one_call_logits = canary(transformer, transformer, state)
+    around = canary(transformer, transformer, state)
+    step = parts is not None
+    if step:
+        parts.install(set(edits))
+        stepped = canary(transformer, transformer, state)
         if transformer.tok_embeddings.weight.dtype == torch.bfloat16:
-            off, bound = largest(around, one_call_logits), 0.0  # it rounds where eager PyTorch rounds: the same bits
+            off, bound = largest(around, stepped), 0.0  # it rounds where eager PyTorch rounds: the same bits
         elif any(rounds_inputs(m) for m in products):
-            off, bound = rms(around, one_call_logits), TOLERANCE
+            off, bound = rms(around, stepped), TOLERANCE
         else:
-            off, bound = largest(around, one_call_logits), ONE_CALL_FP32
+            off, bound = largest(around, stepped), ONE_CALL_FP32
         if off > bound:
             # Where the step's copy of eager PyTorch's roundings misses (RMSNorm's sum did, without PyTorch's cascade),
             # the kernels around model.py still serve.
-            del transformer.forward
-            one_call = f"its one-call step differs from model.py's forward by {off:.3g} (bound {bound:g})"
+            parts.remove()
+            step = f"its {'one-call step' if not edits else 'step'} differs from model.py's forward by {off:.3g} " \
+                   f"(bound {bound:g})"
     off = rms(expected, around)
     if off > tolerance:
-        restore(transformer, originals)
+        restore(transformer, originals, parts)
         return f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits (bound {tolerance:.3g})", \
             False
-    return None, one_call
+    return None, step

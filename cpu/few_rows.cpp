@@ -57,6 +57,17 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("llama_step(Tensor tokens, Tensor positions, Tensor embeddings, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor?[] factors, Tensor?[] tables, Tensor?[] biases, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps) -> Tensor");
+  m.def("attention_block(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor qkv, Tensor? qkv_factors, "
+        "Tensor? qkv_table, Tensor? qkv_bias, Tensor wo, Tensor? wo_factors, Tensor? wo_table, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int n_heads, int n_kv_heads, Tensor? norm, float eps) -> Tensor");
+  m.def("attention_queries(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor qkv, Tensor? qkv_factors, "
+        "Tensor? qkv_table, Tensor? qkv_bias, Tensor(a!) k_cache, Tensor(b!) v_cache, int n_heads, int n_kv_heads, "
+        "Tensor? norm, float eps) -> Tensor");
+  m.def("attention_output(Tensor x, Tensor y, Tensor wo, Tensor? wo_factors, Tensor? wo_table, int n_heads, "
+        "bool residual) -> Tensor");
+  m.def("mlp_block(Tensor x, Tensor gate_up, Tensor? gate_up_factors, Tensor? gate_up_table, Tensor down, "
+        "Tensor? down_factors, Tensor? down_table, Tensor? norm, float eps) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? factors, Tensor? table, Tensor? bias, int outputs) -> Tensor");
   m.def("packed_fp6_is_fast() -> bool", [] { return kFastFp6; });
   m.def("fp6_tiles_are_fast() -> bool", [] { return Fp6Codes::VECTOR; });
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -68,6 +79,11 @@ TORCH_LIBRARY_IMPL(few_rows, CPU, m) {
   m.impl("product", &product_op);
   m.impl("attention", &attention);
   m.impl("llama_step", &llama_step);
+  m.impl("attention_block", &attention_block_op);
+  m.impl("attention_queries", &attention_queries_op);
+  m.impl("attention_output", &attention_output_op);
+  m.impl("mlp_block", &mlp_block_op);
+  m.impl("linear", &linear_op);
   m.impl("rms_norm", &rms_norm);
   m.impl("int4_codes", &int4_codes);
   m.impl("stream_read", &stream_read);

@@ -26,8 +26,8 @@ KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.
 
 # The functions whose math the backend's kernels replace outright, so that no canary comparison of its own sees an
 # edit to them: (fingerprint of the math it was written against, hash of the shipped source; cpu/fingerprints.py). A
-# fork that edits one gets model.py's path; whoever changes one here updates the kernels, then both hashes
-# (tests/test_cpu.py prints them).
+# fork that edits one gets model.py's path (but attend: ATTEND); whoever changes one here updates the kernels, then
+# both hashes (tests/test_cpu.py prints them).
 REPLACED = {"model.Attention.attend": ("acd364298b21851a", "e7f628b8"),
             "quantize.round_activations": ("557dabcc3b770002", "2a62d06d"),
             "quantize.Int8Linear.forward": ("b27930feeb5bd468", "f99dce03"),
@@ -37,10 +37,15 @@ REPLACED = {"model.Attention.attend": ("acd364298b21851a", "e7f628b8"),
             "quantize.MXLinear.forward": ("af03a4058b2c0c9d", "37588596"),
             "quantize.MXLinear.dequantize": ("ae3abfd669e2d04d", "474422a4")}
 
+# Where a fork edits attention's own math, only attention leaves the kernels: it runs model.py's code (the products
+# are still served).
+ATTEND = ("model.Attention.attend",)
+
 
 # What the one-call step re-implements. The canary compares it with these bit for bit, but only at the positions and
 # shapes it runs (a sliding window that starts past them would not show): an edit to one turns the one-call step
-# off, and steps run model.py's forward around the backend's products and attention.
+# off, and steps run model.py's forward, the edited function as model.py's code and the modules whose functions are
+# unedited each in one few_rows.cpp call (cpu/one_call.py's BLOCKS).
 ONE_CALL = {"model.Transformer.forward": ("fec92bebabc5086a", "7e537d0f"),
             "model.Block.forward": ("826e320b54bf4f80", "42db41e4"),
             "model.Attention.forward": ("652dc9c1eae8a36d", "db13c5af"),
@@ -75,7 +80,7 @@ def unsupported(transformer) -> str | None:
     extra = [f.name for f in dataclasses.fields(transformer.args) if f.name not in KNOWN_FIELDS]
     if extra:
         return f"config field '{extra[0]}' is not one it implements"
-    changed = edited(REPLACED)
+    changed = edited({name: math for name, math in REPLACED.items() if name not in ATTEND})
     if changed:
         return "{} is not the math its kernels implement: {}".format(*changed[0])
     for name, module in transformer.named_modules():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import model
 import mx
 import quantize
-from cpu.kernels import STEP_TOKENS, TILE, many_rows, product, step_rows
+from cpu.kernels import STEP_TOKENS, TILE, linear, many_rows, product, step_rows
 
 
 class Linear(nn.Linear):
@@ -39,8 +39,7 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         if self.tiles is not None or step_rows(x):
-            y = product(x, self.weight if self.tiles is None else self.tiles)[..., :self.out_features]
-            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+            return linear(x, self.weight if self.tiles is None else self.tiles, None, None, self.bias, self.out_features)
         return many_rows(x, self.weight, self.bias)
 
 
@@ -104,8 +103,8 @@ class Int8Linear(quantize.Int8Linear):
         self.tiles, self.scale_factors = tiles, scale_factors
 
     def forward(self, x):
-        y = product(x, self.tiles, self.scale_factors)[..., :self.weight.shape[0]]  # rounds x as round_activations
-        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        return linear(x, self.tiles, self.scale_factors, None, self.bias, self.weight.shape[0])  # x rounded as
+        # round_activations(x, WIDE) rounds it
 
 
 def int4_tiles(codes, scales_and_zeros):
@@ -141,8 +140,8 @@ class Int4Linear(quantize.Int4Linear):
         self.tiles, self.tile_factors = tiles, tile_factors
 
     def forward(self, x):
-        y = product(x, self.tiles, self.tile_factors)  # rounds x as round_activations does
-        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        return linear(x, self.tiles, self.tile_factors, None, self.bias, self.weight.shape[0])  # x rounded as
+        # round_activations rounds it
 
 
 code_tables = {}
@@ -224,8 +223,8 @@ class MXLinear(quantize.MXLinear):
 
     def forward(self, x):
         if self.tiles is not None:  # any number of rows; x rounded as round_activations(x, WIDE)
-            y = product(x, self.tiles, self.tile_factors, self.table)[..., :self.weight.shape[0]]
-        elif self.table is not None:  # packed codes, 16 rows a call (a prompt's rows: about as fast as int8's GEMM)
+            return linear(x, self.tiles, self.tile_factors, self.table, self.bias, self.weight.shape[0])
+        if self.table is not None:  # packed codes, 16 rows a call (a prompt's rows: about as fast as int8's GEMM)
             rows = x.reshape(-1, x.shape[-1]).split(16)
             parts = [product(part, self.weight, self.scales, self.table) for part in rows]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], -1)

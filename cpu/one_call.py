@@ -1,5 +1,7 @@
 """A Llama-family step in one few_rows.cpp call: the products that read one input stacked (q/k/v, gate/up) and the
-step that runs every layer in C++ (OneCallStep)."""
+step that runs every layer in C++ (OneCallStep); where a fork edited some of model.py's math, a call per module
+for the modules whose math it left as it was (AttentionBlock, FeedForwardBlock, RMSNormRows), model.py's code for
+the rest (StepParts.install chooses)."""
 import torch
 
 import model
@@ -86,3 +88,155 @@ class OneCallStep:
         if logits_idx is None and tokens.shape[-1] <= STEP_TOKENS:
             return torch.ops.few_rows.llama_step(tokens.contiguous(), input_pos.contiguous(), *self.operands())
         return model.Transformer.forward(self.model, tokens, input_pos, logits_idx)
+
+
+class Transformer(model.Transformer):
+    """model.Transformer whose steps are one llama_step call (its one_call_step, an OneCallStep), where it has one."""
+
+    def forward(self, tokens, input_pos, logits_idx=None):
+        if self.one_call_step is not None:
+            return self.one_call_step(tokens, input_pos, logits_idx)
+        return super().forward(tokens, input_pos, logits_idx)
+
+
+class AttentionBlock(model.Attention):
+    """model.Attention.forward for a step's rows in one few_rows.cpp call (attention_block: the stacked q/k/v product,
+    rotary, the cache writes, attention, the output product), bit for bit what the one-call step computes there.
+    `block_operands`: the products' operands as the one-call step takes them. A prompt's rows take model.py's."""
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        if input_pos.shape[-1] <= STEP_TOKENS:
+            return attention_block(self, x, cos, sin, input_pos)
+        return super().forward(x, cos, sin, mask, input_pos)
+
+
+def attention_block(attention, x, cos, sin, input_pos, norm=None):
+    """few_rows.cpp's attention_block for a served attention module (an AttentionBlock's operands): its forward, or
+    with `norm` (an RMSNorm), x + its forward of norm(x)."""
+    return torch.ops.few_rows.attention_block(
+        x, input_pos.contiguous(), cos.contiguous(), sin.contiguous(), *attention.block_operands,
+        attention.kv_cache.k_cache, attention.kv_cache.v_cache, attention.n_heads, attention.n_kv_heads,
+        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+
+
+class AttendAround(model.Attention):
+    """model.Attention.forward for a step's rows where a fork edited only attend: q/k/v, rotary and the cache writes in
+    one few_rows.cpp call (attention_queries), model.py's attend, then the output product in another
+    (attention_output). `block_operands` as AttentionBlock's."""
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        if input_pos.shape[-1] <= STEP_TOKENS:
+            return attend_around(self, x, cos, sin, mask, input_pos)
+        return super().forward(x, cos, sin, mask, input_pos)
+
+
+def attend_around(attention, x, cos, sin, mask, input_pos, norm=None):
+    """An AttendAround's forward, or with `norm`, x + its forward of norm(x)."""
+    qkv, wo = attention.block_operands[:4], attention.block_operands[4:]
+    cache = attention.kv_cache
+    q = torch.ops.few_rows.attention_queries(
+        x, input_pos.contiguous(), cos.contiguous(), sin.contiguous(), *qkv, cache.k_cache, cache.v_cache,
+        attention.n_heads, attention.n_kv_heads, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+    y = attention.attend(q, cache.k_cache, cache.v_cache, mask, input_pos)
+    return torch.ops.few_rows.attention_output(x, y, *wo, attention.n_heads, norm is not None)
+
+
+class FeedForwardBlock(model.FeedForward):
+    """model.FeedForward.forward (gated) for a step's rows in one few_rows.cpp call (mlp_block: the stacked gate/up
+    product, SiLU times up, the down product)."""
+
+    def forward(self, x):
+        if x.shape[-2] <= STEP_TOKENS:
+            return torch.ops.few_rows.mlp_block(x, *self.block_operands, None, 0.0)
+        return super().forward(x)
+
+
+class RMSNormRows(model.RMSNorm):
+    """model.RMSNorm.forward for a step's rows in one few_rows.cpp call, rounded as eager PyTorch rounds it."""
+
+    def forward(self, x):
+        if x.shape[-2] <= STEP_TOKENS and x.dtype == self.weight.dtype:
+            return torch.ops.few_rows.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return super().forward(x)
+
+
+class Halves(model.Block):
+    """model.Block.forward for a step's rows, each residual branch (x + attention(norm(x)), x + MLP(norm(x))) one
+    few_rows.cpp call where its attention (an AttentionBlock) or MLP (a FeedForwardBlock) is served, else model.py's
+    code: a fork that edits one of them keeps one call per layer for the rest."""
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        if input_pos.shape[-1] > STEP_TOKENS:
+            return super().forward(x, cos, sin, mask, input_pos)
+        if isinstance(self.attention, AttentionBlock):
+            x = attention_block(self.attention, x, cos, sin, input_pos, self.attention_norm)
+        elif isinstance(self.attention, AttendAround):
+            x = attend_around(self.attention, x, cos, sin, mask, input_pos, self.attention_norm)
+        else:
+            x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, mask, input_pos))
+        if isinstance(self.feed_forward, FeedForwardBlock):
+            return torch.ops.few_rows.mlp_block(x, *self.feed_forward.block_operands, self.ffn_norm.weight,
+                                                self.ffn_norm.eps)
+        return x + self.reduce(self.feed_forward(self.ffn_norm(x)))
+
+
+# The functions of model.py that each of them re-implements (the one-call step: every one of them).
+BLOCKS = {AttentionBlock: ("model.Transformer.forward", "model.Attention.forward", "model.Attention.attend",
+                           "model.apply_rotary", "model.KVCache.update"),
+          AttendAround: ("model.Transformer.forward", "model.Attention.forward", "model.apply_rotary",
+                         "model.KVCache.update"),
+          FeedForwardBlock: ("model.FeedForward.forward",),
+          RMSNormRows: ("model.RMSNorm.forward",),
+          Halves: ("model.Block.forward", "model.RMSNorm.forward")}
+def model_py_parts(edited: set) -> str:
+    """Which modules of a step run model.py's code where these functions are edited, in words ("" for none)."""
+    attention = "attention" if edited & set(BLOCKS[AttendAround]) else "attend"
+    return ", ".join(name for name, kind in ((attention, AttentionBlock), ("MLP", FeedForwardBlock),
+                                             ("norms", RMSNormRows), ("layers", Halves)) if edited & set(BLOCKS[kind]))
+
+
+# What they add to a module (restore drops it).
+BLOCK_ATTRIBUTES = ("block_operands", "one_call_step")
+
+
+class StepParts:
+    """What serving made for a Llama-family step: per layer the stacked q/k/v, wo, the stacked gate/up and w2, then the
+    LM head. install puts in the fastest step model.py's math allows; remove takes it out again."""
+
+    def __init__(self, transformer, products):
+        self.model, self.products, self.swapped = transformer, products, []
+
+    def install(self, edited: set) -> str | None:
+        """The one-call step where none of model.py's functions it re-implements is edited (and the head's tiles are
+        not padded); else a call per module whose functions are not edited (`edited`: their names). -> None for the
+        one-call step, else which modules run model.py's code, in words."""
+        m, head = self.model, self.products[-1]
+        self.swapped.append((m, type(m)))
+        m.__class__ = Transformer
+        whole = not edited and outputs(head.operands()[0]) == head.weight.shape[0]
+        m.one_call_step = OneCallStep(m, self.products) if whole else None
+        if whole:
+            return None
+        kept = {kind for kind, functions in BLOCKS.items() if not edited & set(functions)}
+        for i, layer in enumerate(m.layers):
+            qkv, wo, gate_up, down = self.products[4 * i:4 * i + 4]
+            attention = AttentionBlock if AttentionBlock in kept else AttendAround
+            for module, kind, operands in ((layer.attention, attention, (*qkv.operands(), qkv.bias, *wo.operands())),
+                                           (layer.feed_forward, FeedForwardBlock, (*gate_up.operands(), *down.operands())),
+                                           (layer.attention_norm, RMSNormRows, ()), (layer.ffn_norm, RMSNormRows, ()),
+                                           (layer, Halves, ())):
+                if kind in kept:
+                    self.swapped.append((module, type(module)))
+                    module.__class__, module.block_operands = kind, operands
+        if RMSNormRows in kept:
+            self.swapped.append((m.norm, type(m.norm)))
+            m.norm.__class__ = RMSNormRows
+        return model_py_parts(edited)
+
+    def remove(self):
+        """Back to model.py's forward around the products and attention."""
+        for module, kind in reversed(self.swapped):
+            module.__class__ = kind
+            for name in BLOCK_ATTRIBUTES:
+                module.__dict__.pop(name, None)
+        self.swapped = []

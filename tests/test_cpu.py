@@ -47,7 +47,7 @@ def served_model(dtype, family="llama", **overrides):
 def one_call_and_forward(m, tokens, positions):
     """(logits, k and v caches after) of one step run as one few_rows.cpp call, then of the same step from the same
     cache through model.py's forward (around the backend's products and attention)."""
-    assert isinstance(m.forward, one_call.OneCallStep)
+    assert isinstance(m.one_call_step, one_call.OneCallStep)
     caches = [layer.attention.kv_cache for layer in m.layers]
     before = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
     results = []
@@ -112,6 +112,38 @@ def test_an_8_row_verify_is_8_decode_steps_bit_for_bit(smollm2):
     assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
 
 
+def test_a_fork_s_edited_activation_leaves_only_its_mlp_and_stays_exact(smollm2, monkeypatch, capsys):
+    """SmolLM2 in bf16 with model.FeedForward.forward edited (SiLU -> GELU): the backend still serves every product;
+    only the MLP runs as model.py's code (its products few_rows.cpp's), each layer's attention branch is one
+    few_rows.cpp call, and the step is model.py's forward around the kernels bit for bit (the canary checked it);
+    an 8-token verify's logits are 8 decode steps' bit for bit (speculation stays exact). Its speed:
+    scripts/bench_fork.py."""
+    source = inspect.getsource(model.FeedForward.forward)
+    monkeypatch.setattr(model.FeedForward, "forward", defined(source.replace(
+        "F.silu(self.w1(x))", 'F.gelu(self.w1(x), approximate="tanh")')))
+    ckpt, _ = smollm2
+    capsys.readouterr()
+    m = load_model(ckpt, "cpu", torch.bfloat16)
+    assert "steps run model.py's forward, its MLP as model.py's code" in warnings_in(capsys.readouterr().err)
+    layer = m.layers[0]
+    assert [type(x) for x in (layer, layer.attention, layer.feed_forward, layer.feed_forward.w1)] == [
+        one_call.Halves, one_call.AttentionBlock, model.FeedForward, modules.Linear]
+    assert backend.report(m).name == "cpu" and not backend.report(m).one_call_step
+    m.setup_caches(1, 256)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        m(torch.randint(0, 49152, (1, 60), generator=generator), torch.arange(60)[None])
+        tokens = torch.randint(0, 49152, (1, 8), generator=generator)
+        verify = m(tokens, torch.arange(60, 68)[None])
+        steps = torch.cat([m(tokens[:, i:i + 1], torch.tensor([[60 + i]])) for i in range(8)], 1)
+    assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
+    for layer in m.layers:
+        layer.__class__ = model.Block  # model.py's Block.forward around the same modules, the last step again
+    with torch.no_grad():
+        around = m(tokens[:, -1:], torch.tensor([[67]]))
+    assert torch.equal(around, steps[:, -1:])
+
+
 def test_stream_read_reads_every_word():
     """The bench's read probe touches the whole buffer: its result is the xor of every 32-bit word, so a skipped
     page or task changes it."""
@@ -131,7 +163,7 @@ def test_a_step_runs_in_one_call_only_where_it_can():
     from torch._dynamo.utils import counters
     m = served_model(torch.bfloat16)
     m.setup_caches(40, 64)
-    assert backend.report(m).one_call_step and isinstance(m.forward, one_call.OneCallStep)
+    assert backend.report(m).one_call_step and isinstance(m.one_call_step, one_call.OneCallStep)
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     step = Step(decode_one_token, compile=True)
@@ -546,7 +578,8 @@ def warnings_in(err: str) -> str:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_fork_that_changes_model_py_gets_model_py(smollm2, monkeypatch, capsys, dtype):
     """model.py's Attention.forward edited in place to add QK-norm, which the one-call step does not do: the backend
-    says so in one line, turns its one-call step off, and steps run the fork's forward around its kernels. Checked
+    says so in one line, turns its one-call step off, and steps run the fork's forward: its attention as model.py's
+    code around the backend's products and attention, the rest of each layer in a few_rows.cpp call. Checked
     against the fork on --backend torch: float32 the same greedy tokens, bf16 logits within the canary's 5% RMS
     (both far from the unforked model's)."""
     ckpt, _ = smollm2
@@ -558,9 +591,11 @@ def test_a_fork_that_changes_model_py_gets_model_py(smollm2, monkeypatch, capsys
     forked = load_model(ckpt, "cpu", dtype)
     assert re.fullmatch(r"warning: CPU backend: model.Attention.forward is not the math its one-call step implements: "
                         r"its syntax tree at test_cpu.py:\d+ differs from the shipped one's in more than comments, "
-                        r"layout or the names of locals; steps run model.py's forward around its kernels\n",
-                        warnings_in(capsys.readouterr().err))
+                        r"layout or the names of locals; steps run model.py's forward, its attention as model.py's "
+                        r"code, the rest in few_rows.cpp's calls\n", warnings_in(capsys.readouterr().err))
     assert not backend.report(forked).one_call_step and type(forked.layers[0].attention) is modules.Attention
+    assert [type(m) for m in (forked.layers[0], forked.layers[0].feed_forward)] == [one_call.Halves,
+                                                                                    one_call.FeedForwardBlock]
     ours, theirs = generate(forked, [prompt], 16, Steps())[0], generate(reference, [prompt], 16, Steps())[0]
     assert ours != unforked
     if dtype == torch.float32:
@@ -598,7 +633,7 @@ def test_an_edit_that_keeps_the_math_keeps_the_one_call_step(monkeypatch, capsys
     monkeypatch.setattr(model.Attention, "forward", forward)
     capsys.readouterr()
     m = served_model(torch.bfloat16)
-    assert backend.report(m).one_call_step and isinstance(m.forward, one_call.OneCallStep)
+    assert backend.report(m).one_call_step and isinstance(m.one_call_step, one_call.OneCallStep)
     assert warnings_in(capsys.readouterr().err) == ""
 
 
@@ -704,29 +739,44 @@ def test_the_shipped_source_is_never_called_edited(monkeypatch, capsys):
     assert backend.report(m).one_call_step and warnings_in(capsys.readouterr().err) == ""
 
 
-def test_an_edit_to_a_replaced_function_is_refused(monkeypatch, capsys):
+def test_an_edit_to_attend_leaves_only_attend_to_model_py(monkeypatch, capsys):
     """A fork caps attention's logits in model.Attention.attend (as Gemma 2 does), which few_rows.cpp's attention
-    does not: refused in one line, and the model keeps model.py's attend."""
+    does not: one line says so, and only attend leaves the kernels: q/k/v, rotary and the cache writes are one
+    few_rows.cpp call, the fork's attend runs as model.py's code, the output product and the MLP are calls of their
+    own. Its logits are the fork's on model.py's PyTorch path (float32: within 1e-5 of the largest)."""
     def capped_attend(self, q, k, v, mask, input_pos):
         scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).float()
         scores = (50 * torch.tanh(scores / 50)).masked_fill(~mask, float("-inf"))
         return (scores.softmax(-1).to(q.dtype) @ v)
     monkeypatch.setattr(model.Attention, "attend", capped_attend)
+    torch.manual_seed(0)
     m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                           intermediate_size=96)).eval()
+    reference = model.Transformer(m.args).eval()
+    reference.load_state_dict(m.state_dict())
     capsys.readouterr()
-    assert cpu.apply(m).name == "torch"
+    assert cpu.apply(m).name == "cpu"
     assert re.fullmatch(r"warning: CPU backend: model.Attention.attend is not the math its kernels implement: its "
                         r"syntax tree at test_cpu.py:\d+ differs from the shipped one's in more than comments, layout "
-                        r"or the names of locals; the model runs on model.py's PyTorch path\n",
-                        warnings_in(capsys.readouterr().err))
-    assert type(m.layers[0].attention) is model.Attention
+                        r"or the names of locals; steps run model.py's forward, its attend as model.py's code, the "
+                        r"rest in few_rows.cpp's calls\n", warnings_in(capsys.readouterr().err))
+    assert [type(x) for x in (m.layers[0], m.layers[0].attention, m.layers[0].feed_forward)] == [
+        one_call.Halves, one_call.AttendAround, one_call.FeedForwardBlock]
+    assert "its attend as model.py's code" in backend.report(m).serves
+    for x in (m, reference):
+        x.setup_caches(1, 32)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        expected = reference(tokens, torch.arange(8)[None])
+        m(tokens[:, :3], torch.arange(3)[None])  # a prompt through model.py's code, then steps through the kernels
+        got = torch.cat([m(tokens[:, 3:4], torch.tensor([[3]])), m(tokens[:, 4:], torch.arange(4, 8)[None])], 1)
+    assert (got - expected[:, 3:]).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, capsys):
     """A fork windows attention in Transformer.forward's mask (only past position 1000: the canary never gets
     there): the backend's one-call step does not know it, so it is off and steps run model.py's forward, with the
-    window, around the backend's products and attention."""
+    window, around the backend's products and attention (the MLP and norms each a few_rows.cpp call)."""
     source = inspect.getsource(model.Transformer.forward)
     windowed = source.replace("mask = slots <= input_pos[:, None, :, None]",
                               "mask = (slots <= input_pos[:, None, :, None]) & "
@@ -738,8 +788,9 @@ def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, 
     assert not backend.report(m).one_call_step and type(m.layers[0].attention) is modules.Attention
     assert re.fullmatch(r"warning: CPU backend: model.Transformer.forward is not the math its one-call step "
                         r"implements: its syntax tree at <fork of model.py \w+>:1 differs from the shipped one's in "
-                        r"more than comments, layout or the names of locals; steps run model.py's forward around its "
-                        r"kernels\n", warnings_in(capsys.readouterr().err))
+                        r"more than comments, layout or the names of locals; steps run model.py's forward, its "
+                        r"attention as model.py's code, the rest in few_rows.cpp's calls\n",
+                        warnings_in(capsys.readouterr().err))
 
 
 def test_bf16_tiles_are_a_product_s_only_copy_and_restore_gives_model_py_its_weights_back():
@@ -753,10 +804,12 @@ def test_bf16_tiles_are_a_product_s_only_copy_and_restore_gives_model_py_its_wei
                                               intermediate_size=96, tie_embeddings=tie)).to(torch.bfloat16).eval()
         before = {name: t.clone() for name, t in m.state_dict().items()}
         products = [p for p in m.modules() if type(p) is torch.nn.Linear]
-        originals = serve(m, products, {})
+        originals, parts = serve(m, products, {})
+        parts.install(set())
         assert all(p.weight.is_meta for p in products if p is not m.output)
         assert m.output.weight.is_meta != tie and not m.tok_embeddings.weight.is_meta
-        restore(m, originals)
+        restore(m, originals, parts)
+        assert type(m) is model.Transformer and "one_call_step" not in vars(m)
         after = m.state_dict()
         assert all(torch.equal(before[name], after[name]) for name in before if "cache" not in name), tie
 
@@ -799,7 +852,7 @@ def test_the_canary_catches_what_the_fingerprints_let_through(monkeypatch, capsy
         m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                               intermediate_size=96)).to(torch.bfloat16).eval()
         assert cpu.apply(m).name == "cpu"
-        assert type(m.layers[0].attention) is modules.Attention and "forward" not in vars(m)
+        assert type(m.layers[0].attention) is modules.Attention and type(m) is model.Transformer
         assert not backend.report(m).one_call_step
     assert re.fullmatch(r"warning: CPU backend: its one-call step differs from model.py's forward by \S+ \(bound 0\); "
                         r"steps run model.py's forward around its kernels\n"

@@ -120,6 +120,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out.to(x.scalar_type());
 }
 
+// Values of T held as float32 [R, N] -> a tensor of T (bf16: the floats' upper halves).
+template <class T>
+at::Tensor as_model_dtype(const at::Tensor& values) {
+  if constexpr (std::is_same_v<T, float>) {
+    return values;
+  } else {
+    at::Tensor out = at::empty(values.sizes(), values.options().dtype(at::kBFloat16));
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(values.data_ptr<float>());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < values.numel(); i++) op[i] = uint16_t(bits[i] >> 16);
+    return out;
+  }
+}
+
 // One head's q or k, rotated on its first 2 * half dims (pairs j, j + half; model.apply_rotary) and rounded to T:
 // each product rounded, as PyTorch's eager rotary computes them (not fused into multiply-adds).
 template <class T>
@@ -130,6 +144,105 @@ __attribute__((optimize("fp-contract=off"))) void rotate(const float* in, const 
     out[j + half] = T(in[j + half] * cos[j] + in[j] * sin[j]);
   }
   for (int64_t j = 2 * half; j < D; j++) out[j] = T(in[j]);
+}
+
+// One product of a step: its weight (or tiles) with their factors, table and bias.
+struct Product {
+  const at::Tensor& weight;
+  std::optional<at::Tensor> factors, table, bias;
+};
+
+// y [R, N] = x [R, K] times the product, plus its bias, each output rounded to T as the Linear modules round theirs.
+template <class T>
+at::Tensor step_product(const at::Tensor& x, const Product& p, int64_t outputs) {
+  at::Tensor y = linear(x, p.weight, p.factors, p.table);
+  TORCH_CHECK(y.size(1) == outputs, "few_rows: a step's product has ", y.size(1), " outputs, not ", outputs);
+  float* yp = y.data_ptr<float>();
+  const int64_t R = y.size(0), N = y.size(1);
+  TORCH_CHECK(!p.bias || (p.bias->scalar_type() == at::kFloat && p.bias->numel() == N && p.bias->is_contiguous()),
+              "few_rows: a step's biases must be float32 [outputs]");
+  const float* b = p.bias ? p.bias->data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < R; r++) add_rounded<T>(yp + r * N, b, N, yp + r * N);
+  return y;
+}
+
+// The rows' rotary angles: row r's cos and sin at cos + at(r) * half, at(r) its position in the whole tables
+// (llama_step) or r in tables already gathered by position (model.py's forward gathers them: attention_block).
+struct Rotary {
+  const float* cos;
+  const float* sin;
+  int64_t half;
+  const int64_t* by_position;  // nullptr: gathered
+  int64_t at(int64_t r) const { return (by_position ? by_position[r] : r) * half; }
+};
+
+// model.Attention.forward up to attend, on the rows h [B * S, dim] (values of T, normed): q/k/v (one product,
+// stacked), rotary, the cache writes; -> q [B, KV heads, G * S, D] in T, as model.py hands it to attend.
+template <class T>
+at::Tensor attention_queries(const at::Tensor& h, const at::Tensor& positions, const Rotary& rotary,
+                             const Product& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n_heads,
+                             int64_t n_kv_heads) {
+  const int64_t B = positions.size(0), S = positions.size(1), R = B * S;
+  const int64_t D = k_cache.size(3), slots = k_cache.size(2), G = n_heads / n_kv_heads, half = rotary.half;
+  const int64_t Q = n_heads * D, KV = n_kv_heads * D;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  at::Tensor q = at::empty({B, n_kv_heads, G * S, D}, k_cache.options());
+  T* qp = reinterpret_cast<T*>(q.data_ptr());
+  const at::Tensor qkv_rows = step_product<T>(h, qkv, Q + 2 * KV);
+  const float* qkv_p = qkv_rows.data_ptr<float>();
+  T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
+  T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t b = r / S, t = r % S, p = pos[r];
+    const float* row = qkv_p + r * (Q + 2 * KV);
+    const float *c = rotary.cos + rotary.at(r), *sn = rotary.sin + rotary.at(r);
+    for (int64_t head = 0; head < n_heads; head++)  // q [B, KV heads, G * S, D], row g * S + t of its KV head
+      rotate(row + head * D, c, sn, half, D, qp + ((b * n_kv_heads + head / G) * G * S + (head % G) * S + t) * D);
+    for (int64_t head = 0; head < n_kv_heads; head++) {
+      const int64_t slot = ((b * n_kv_heads + head) * slots + p) * D;
+      rotate(row + Q + head * D, c, sn, half, D, kc + slot);
+      for (int64_t j = 0; j < D; j++) vc[slot + j] = T(row[Q + KV + head * D + j]);
+    }
+  }
+  return q;
+}
+
+// model.Attention.forward after attend: attend's output y [B, H, S, D] (in T) to rows [B * S, H * D], times wo;
+// -> [B * S, dim], values of T.
+template <class T>
+at::Tensor attention_output(const at::Tensor& y, const Product& wo, int64_t dim) {
+  const int64_t B = y.size(0), H = y.size(1), S = y.size(2), D = y.size(3), R = B * S, Q = H * D;
+  at::Tensor a = at::empty({R, Q}, y.options().dtype(at::kFloat));
+  float* ap = a.data_ptr<float>();
+  const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t head = 0; head < H; head++)
+      for (int64_t j = 0; j < D; j++) ap[r * Q + head * D + j] = float(yp[(((r / S) * H + head) * S + r % S) * D + j]);
+  return step_product<T>(a, wo, dim);
+}
+
+// model.Attention.forward on the rows h [B * S, dim] (values of T, normed): attention_queries, attention over the
+// cache, attention_output; -> [B * S, dim], values of T.
+template <class T>
+at::Tensor attention_block(const at::Tensor& h, const at::Tensor& positions, const Rotary& rotary, const Product& qkv,
+                           const Product& wo, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n_heads,
+                           int64_t n_kv_heads) {
+  const at::Tensor q = attention_queries<T>(h, positions, rotary, qkv, k_cache, v_cache, n_heads, n_kv_heads);
+  const at::Tensor y = attention_rows<T>(q, k_cache, v_cache, positions);
+  return attention_output<T>(y.view({positions.size(0), n_heads, positions.size(1), k_cache.size(3)}), wo, h.size(1));
+}
+
+// model.FeedForward.forward (gated) on the rows h [R, dim] (values of T, normed): gate/up (one product, stacked),
+// SiLU(gate) times up, down; -> [R, dim], values of T.
+template <class T>
+at::Tensor mlp_block(const at::Tensor& h, const Product& gate_up, const Product& down) {
+  const int64_t R = h.size(0), dim = h.size(1), I = outputs(gate_up.weight) / 2;
+  const at::Tensor gu = step_product<T>(h, gate_up, 2 * I);
+  at::Tensor m = at::empty({R, I}, h.options());
+  const float* gp = gu.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  for (int64_t r = 0; r < R; r++) silu_times<T>(gp + r * 2 * I, gp + r * 2 * I + I, I, mp + r * I);
+  return step_product<T>(m, down, dim);
 }
 
 // What llama_step takes besides tokens and positions (cpu.modules.OneCallStep.operands): per layer 2
@@ -146,94 +259,35 @@ struct StepOperands {
   at::TensorList k_caches, v_caches;
   int64_t n_heads, n_kv_heads;
   double eps;
+  Product product(int64_t i) const { return {weights[i], factors.get(i), tables.get(i), biases.get(i)}; }
 };
-
-// Product i of the step: y [R, N] = x [R, K] times weight i (with its factors and table), plus its bias, each
-// output rounded to T as the Linear modules round theirs.
-template <class T>
-at::Tensor step_product(const at::Tensor& x, const StepOperands& s, int64_t i, int64_t outputs) {
-  at::Tensor y = linear(x, s.weights[i], s.factors.get(i), s.tables.get(i));
-  TORCH_CHECK(y.size(1) == outputs, "few_rows: llama_step's product ", i, " has ", y.size(1), " outputs, not ",
-              outputs);
-  float* yp = y.data_ptr<float>();
-  const int64_t R = y.size(0), N = y.size(1);
-  const std::optional<at::Tensor> bias = s.biases.get(i);
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
-              "few_rows: llama_step's biases must be float32 [outputs]");
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  for (int64_t r = 0; r < R; r++) add_rounded<T>(yp + r * N, b, N, yp + r * N);
-  return y;
-}
 
 template <class T>
 at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions, const StepOperands& s) {
   const at::Tensor& embeddings = s.embeddings;
-  const int64_t n_heads = s.n_heads, n_kv_heads = s.n_kv_heads;
   const int64_t B = tokens.size(0), S = tokens.size(1), R = B * S, dim = embeddings.size(1);
-  const int64_t layers = s.k_caches.size(), D = s.k_caches[0].size(3), slots = s.k_caches[0].size(2);
-  const int64_t G = n_heads / n_kv_heads, half = s.cos.size(1), Q = n_heads * D, KV = n_kv_heads * D;
+  const int64_t layers = s.k_caches.size();
   const int64_t* token = tokens.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* cos_p = s.cos.data_ptr<float>();
-  const float* sin_p = s.sin.data_ptr<float>();
+  const Rotary rotary{s.cos.data_ptr<float>(), s.sin.data_ptr<float>(), s.cos.size(1), positions.data_ptr<int64_t>()};
   const T* table = reinterpret_cast<const T*>(embeddings.data_ptr());
-  const auto floats = embeddings.options().dtype(at::kFloat);
   std::vector<float> x(R * dim);  // the residual stream, values of T
   for (int64_t r = 0; r < R; r++)
     for (int64_t i = 0; i < dim; i++) x[r * dim + i] = float(table[token[r] * dim + i]);
-  at::Tensor h = at::empty({R, dim}, floats), a = at::empty({R, Q}, floats);
-  at::Tensor q = at::empty({B, n_kv_heads, G * S, D}, embeddings.options());
-  T* qp = reinterpret_cast<T*>(q.data_ptr());
+  at::Tensor h = at::empty({R, dim}, embeddings.options().dtype(at::kFloat));
   float* hp = h.data_ptr<float>();
-  float* ap = a.data_ptr<float>();
   for (int64_t l = 0; l < layers; l++) {
     rms_norm_rows<T>(x.data(), s.norms[2 * l], s.eps, R, dim, hp);
-    const at::Tensor qkv = step_product<T>(h, s, 4 * l, Q + 2 * KV);
-    const float* qkv_p = qkv.data_ptr<float>();
-    T* kc = reinterpret_cast<T*>(s.k_caches[l].data_ptr());
-    T* vc = reinterpret_cast<T*>(s.v_caches[l].data_ptr());
-    for (int64_t r = 0; r < R; r++) {
-      const int64_t b = r / S, t = r % S, p = pos[r];
-      const float* row = qkv_p + r * (Q + 2 * KV);
-      const float *c = cos_p + p * half, *sn = sin_p + p * half;
-      for (int64_t head = 0; head < n_heads; head++)  // q [B, KV heads, G * S, D], row g * S + t of its KV head
-        rotate(row + head * D, c, sn, half, D, qp + ((b * n_kv_heads + head / G) * G * S + (head % G) * S + t) * D);
-      for (int64_t head = 0; head < n_kv_heads; head++) {
-        const int64_t slot = ((b * n_kv_heads + head) * slots + p) * D;
-        rotate(row + Q + head * D, c, sn, half, D, kc + slot);
-        for (int64_t j = 0; j < D; j++) vc[slot + j] = T(row[Q + KV + head * D + j]);
-      }
-    }
-    const at::Tensor y = attention_rows<T>(q, s.k_caches[l], s.v_caches[l], positions);
-    const T* yp = reinterpret_cast<const T*>(y.data_ptr());
-    for (int64_t r = 0; r < R; r++)  // y [B, H, S, D] -> a [B * S, H * D]
-      for (int64_t head = 0; head < n_heads; head++)
-        for (int64_t j = 0; j < D; j++)
-          ap[r * Q + head * D + j] = float(yp[(((r / S) * n_heads + head) * S + r % S) * D + j]);
-    const at::Tensor o = step_product<T>(a, s, 4 * l + 1, dim);
+    const at::Tensor o = attention_block<T>(h, positions, rotary, s.product(4 * l), s.product(4 * l + 1),
+                                            s.k_caches[l], s.v_caches[l], s.n_heads, s.n_kv_heads);
     add_rounded<T>(x.data(), o.data_ptr<float>(), R * dim, x.data());
     rms_norm_rows<T>(x.data(), s.norms[2 * l + 1], s.eps, R, dim, hp);
-    const int64_t I = outputs(s.weights[4 * l + 2]) / 2;
-    const at::Tensor gate_up = step_product<T>(h, s, 4 * l + 2, 2 * I);
-    at::Tensor m = at::empty({R, I}, floats);
-    const float* gu = gate_up.data_ptr<float>();
-    float* mp = m.data_ptr<float>();
-    for (int64_t r = 0; r < R; r++) silu_times<T>(gu + r * 2 * I, gu + r * 2 * I + I, I, mp + r * I);
-    const at::Tensor down = step_product<T>(m, s, 4 * l + 3, dim);
+    const at::Tensor down = mlp_block<T>(h, s.product(4 * l + 2), s.product(4 * l + 3));
     add_rounded<T>(x.data(), down.data_ptr<float>(), R * dim, x.data());
   }
   rms_norm_rows<T>(x.data(), s.norms[2 * layers], s.eps, R, dim, hp);
   const int64_t V = outputs(s.weights[4 * layers]);
-  const at::Tensor logits = step_product<T>(h, s, 4 * layers, V);
-  if constexpr (std::is_same_v<T, float>) {
-    return logits.view({B, S, V});
-  } else {  // values of T already: their upper halves
-    at::Tensor out = at::empty({B, S, V}, embeddings.options());
-    const uint32_t* bits = reinterpret_cast<const uint32_t*>(logits.data_ptr<float>());
-    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    for (int64_t i = 0; i < R * V; i++) op[i] = uint16_t(bits[i] >> 16);
-    return out;
-  }
+  const at::Tensor logits = step_product<T>(h, s.product(4 * layers), V);
+  return as_model_dtype<T>(logits).view({B, S, V});
 }
 
 at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& embeddings,
@@ -284,6 +338,162 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
     default:
       TORCH_CHECK(false, "few_rows: llama_step dtype must be bfloat16 or float32, not ", embeddings.scalar_type());
   }
+}
+
+// x [..., dim] as float32 rows [R, dim], RMS-normed by `norm` (model.RMSNorm) where one is given.
+template <class T>
+std::pair<at::Tensor, at::Tensor> rows_and_normed(const at::Tensor& x, const std::optional<at::Tensor>& norm,
+                                                  double eps) {
+  const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  if (!norm) return {xf, xf};
+  const int64_t R = xf.size(0), dim = xf.size(1);
+  TORCH_CHECK(norm->numel() == dim && norm->scalar_type() == x.scalar_type() && norm->is_contiguous(),
+              "few_rows: a block's norm weight must be [dim] in x's dtype");
+  at::Tensor h = at::empty(xf.sizes(), xf.options());
+  rms_norm_rows<T>(xf.data_ptr<float>(), *norm, eps, R, dim, h.data_ptr<float>());
+  return {xf, h};
+}
+
+// y = part(h), h = x [R, dim] normed (x itself without a norm weight); with the norm, x + y (a residual branch of
+// model.Block.forward: x + part(norm(x))); each result rounded to T. -> a tensor of T [R, dim].
+template <class T, class Part>
+at::Tensor residual_part(const at::Tensor& x, const std::optional<at::Tensor>& norm, double eps, Part part) {
+  const std::pair<at::Tensor, at::Tensor> rows = rows_and_normed<T>(x, norm, eps);
+  const at::Tensor& xf = rows.first;
+  at::Tensor y = part(rows.second);
+  if (norm) add_rounded<T>(xf.data_ptr<float>(), y.data_ptr<float>(), y.numel(), y.data_ptr<float>());
+  return as_model_dtype<T>(y);
+}
+
+void check_attention(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n_heads, int64_t n_kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && positions.dim() == 2 && positions.size(0) == x.size(0) &&
+                  positions.size(1) == x.size(1) && positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "few_rows: attention takes x [B, S, dim] and contiguous int64 positions [B, S]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == x.size(0) && k_cache.size(1) == n_kv_heads &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == x.scalar_type() && v_cache.scalar_type() == x.scalar_type() &&
+                  n_heads % n_kv_heads == 0,
+              "few_rows: attention's caches must be contiguous [B, KV heads, slots, head dim] in x's dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == positions.numel() * cos.size(-1) &&
+                  2 * cos.size(-1) <= k_cache.size(3),
+              "few_rows: attention takes contiguous float32 cos and sin [B, S, 1, rotary_dim / 2]");
+  for (int64_t i = 0; i < positions.numel(); i++)
+    TORCH_CHECK(positions.data_ptr<int64_t>()[i] >= 0 && positions.data_ptr<int64_t>()[i] < k_cache.size(2),
+                "few_rows: position ", positions.data_ptr<int64_t>()[i], " is outside the cache of ", k_cache.size(2));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "few_rows: attention dtype must be bfloat16 or float32, not ", x.scalar_type());
+}
+
+// model.Attention.forward in one call (cpu.one_call.AttentionBlock), or with `norm` the whole attention branch of
+// model.Block.forward, x + attention(RMSNorm(x)) (cpu.one_call.Halves), for a step where the rest runs model.py's
+// code: x [B, S, dim], cos and sin [B, S, 1, half] float32 as model.py's forward gathers them, positions [B, S]; the
+// products' operands as OneCallStep stacks them; -> [B, S, dim] in x's dtype, bit for bit the one-call step's.
+at::Tensor attention_block_op(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                              const at::Tensor& sin, const at::Tensor& qkv, const std::optional<at::Tensor>& qkv_factors,
+                              const std::optional<at::Tensor>& qkv_table, const std::optional<at::Tensor>& qkv_bias,
+                              const at::Tensor& wo, const std::optional<at::Tensor>& wo_factors,
+                              const std::optional<at::Tensor>& wo_table, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, int64_t n_heads, int64_t n_kv_heads,
+                              const std::optional<at::Tensor>& norm, double eps) {
+  check_attention(x, positions, cos, sin, k_cache, v_cache, n_heads, n_kv_heads);
+  const Rotary rotary{cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(-1), nullptr};
+  const Product q{qkv, qkv_factors, qkv_table, qkv_bias}, o{wo, wo_factors, wo_table, std::nullopt};
+  if (x.scalar_type() == at::kBFloat16)
+    return residual_part<c10::BFloat16>(x, norm, eps, [&](const at::Tensor& h) {
+             return attention_block<c10::BFloat16>(h, positions, rotary, q, o, k_cache, v_cache, n_heads, n_kv_heads);
+           }).view(x.sizes());
+  return residual_part<float>(x, norm, eps, [&](const at::Tensor& h) {
+           return attention_block<float>(h, positions, rotary, q, o, k_cache, v_cache, n_heads, n_kv_heads);
+         }).view(x.sizes());
+}
+
+// model.Attention.forward up to attend (cpu.one_call.AttendAround), of RMSNorm(x) with `norm`: the q/k/v product,
+// rotary, the cache writes; -> q [B, KV heads, G * S, D] in x's dtype, as model.py hands it to attend.
+at::Tensor attention_queries_op(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                                const at::Tensor& sin, const at::Tensor& qkv,
+                                const std::optional<at::Tensor>& qkv_factors,
+                                const std::optional<at::Tensor>& qkv_table,
+                                const std::optional<at::Tensor>& qkv_bias, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, int64_t n_heads, int64_t n_kv_heads,
+                                const std::optional<at::Tensor>& norm, double eps) {
+  check_attention(x, positions, cos, sin, k_cache, v_cache, n_heads, n_kv_heads);
+  const Rotary rotary{cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(-1), nullptr};
+  const Product q{qkv, qkv_factors, qkv_table, qkv_bias};
+  if (x.scalar_type() == at::kBFloat16)
+    return attention_queries<c10::BFloat16>(rows_and_normed<c10::BFloat16>(x, norm, eps).second, positions, rotary, q,
+                                            k_cache, v_cache, n_heads, n_kv_heads);
+  return attention_queries<float>(rows_and_normed<float>(x, norm, eps).second, positions, rotary, q, k_cache, v_cache,
+                                  n_heads, n_kv_heads);
+}
+
+// model.Attention.forward after attend (cpu.one_call.AttendAround): attend's output y [B, KV heads, G * S, D] times wo;
+// with `residual`, x + that (model.Block.forward's branch); -> [B, S, dim] in x's dtype.
+at::Tensor attention_output_op(const at::Tensor& x, const at::Tensor& y, const at::Tensor& wo,
+                               const std::optional<at::Tensor>& wo_factors, const std::optional<at::Tensor>& wo_table,
+                               int64_t n_heads, bool residual) {
+  TORCH_CHECK(x.dim() == 3 && y.dim() == 4 && y.size(0) == x.size(0) && y.size(2) * y.size(1) == n_heads * x.size(1) &&
+                  y.scalar_type() == x.scalar_type() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "few_rows: attention_output takes x [B, S, dim] and attend's output [B, KV heads, G * S, D] in its dtype");
+  const at::Tensor heads = y.contiguous().view({x.size(0), n_heads, x.size(1), y.size(3)});
+  const Product o{wo, wo_factors, wo_table, std::nullopt};
+  const at::Tensor rows = x.reshape({-1, x.size(2)}).to(at::kFloat).contiguous();
+  at::Tensor out = x.scalar_type() == at::kBFloat16 ? attention_output<c10::BFloat16>(heads, o, x.size(2))
+                                                    : attention_output<float>(heads, o, x.size(2));
+  if (residual) {
+    if (x.scalar_type() == at::kBFloat16)
+      add_rounded<c10::BFloat16>(rows.data_ptr<float>(), out.data_ptr<float>(), out.numel(), out.data_ptr<float>());
+    else
+      add_rounded<float>(rows.data_ptr<float>(), out.data_ptr<float>(), out.numel(), out.data_ptr<float>());
+  }
+  return (x.scalar_type() == at::kBFloat16 ? as_model_dtype<c10::BFloat16>(out) : out).view(x.sizes());
+}
+
+// model.FeedForward.forward (gated) in one call (cpu.one_call.FeedForwardBlock), or with `norm` the MLP branch of
+// model.Block.forward, x + MLP(RMSNorm(x)): x [B, S, dim], the gate/up and down products' operands as OneCallStep
+// stacks them; -> [B, S, dim] in x's dtype.
+at::Tensor mlp_block_op(const at::Tensor& x, const at::Tensor& gate_up, const std::optional<at::Tensor>& gate_up_factors,
+                        const std::optional<at::Tensor>& gate_up_table, const at::Tensor& down,
+                        const std::optional<at::Tensor>& down_factors, const std::optional<at::Tensor>& down_table,
+                        const std::optional<at::Tensor>& norm, double eps) {
+  TORCH_CHECK(x.dim() == 3, "few_rows: mlp_block takes x [B, S, dim]");
+  const Product gu{gate_up, gate_up_factors, gate_up_table, std::nullopt}, d{down, down_factors, down_table, std::nullopt};
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      return residual_part<c10::BFloat16>(x, norm, eps, [&](const at::Tensor& h) {
+               return mlp_block<c10::BFloat16>(h, gu, d);
+             }).view(x.sizes());
+    case at::kFloat:
+      return residual_part<float>(x, norm, eps, [&](const at::Tensor& h) { return mlp_block<float>(h, gu, d); })
+          .view(x.sizes());
+    default: TORCH_CHECK(false, "few_rows: mlp_block dtype must be bfloat16 or float32, not ", x.scalar_type());
+  }
+}
+
+// A product as a Linear module's forward returns it (cpu.modules' products, one call from Python): x [..., K] in
+// bf16 or float32; y [..., outputs] = x times the weight plus the bias, rounded to x's dtype.
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& factors,
+                     const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& bias, int64_t outputs) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "few_rows: linear takes bf16 or float32 x [..., K]");
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  at::Tensor y = linear(rows, w, factors, table);
+  TORCH_CHECK(y.size(1) >= outputs, "few_rows: linear's weight has ", y.size(1), " outputs, not ", outputs);
+  if (y.size(1) != outputs) y = y.narrow(1, 0, outputs).contiguous();
+  float* yp = y.data_ptr<float>();
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == outputs && bias->is_contiguous()),
+              "few_rows: linear's bias must be float32 [outputs]");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = outputs;
+  if (x.scalar_type() == at::kFloat) {
+    if (b)
+      for (int64_t r = 0; r < y.size(0); r++) add_rounded<float>(yp + r * outputs, b, outputs, yp + r * outputs);
+    return y.view(shape);
+  }
+  for (int64_t r = 0; r < y.size(0); r++) add_rounded<c10::BFloat16>(yp + r * outputs, b, outputs, yp + r * outputs);
+  return as_model_dtype<c10::BFloat16>(y).view(shape);
 }
 
 }  // namespace

@@ -176,9 +176,9 @@ def slow_path_notes(opts, served, device) -> list[str]:
     if opts.backend == "torch" and not opts.compile:
         return ["note: --backend torch runs model.py eagerly, a PyTorch call per operation (SmolLM2 in bf16: 2-24 "
                 "tok/s, served ~85); add --compile, or drop --backend torch for the CPU backend"]
-    if (opts.compile or opts.compile_prefill) and not served.compile_steps:
-        return [f"note: --compile{'_prefill' if not opts.compile else ''} changes nothing here: the CPU backend's "
-                "steps run as they are (compiled they gain nothing); it compiles model.py with --backend torch"]
+    if opts.compile and not served.compile_steps:
+        return ["note: --compile changes nothing here: the CPU backend's decode and verify steps run as they are "
+                "(compiled they gain nothing); it compiles model.py with --backend torch"]
     return []
 
 
@@ -218,7 +218,7 @@ def run(opts):
     compile_s = 0.0
     warm_up = prompt or chat.tokenizer.encode("Hello", bos=False)
     presize_caches(model, drafter, opts.batch_size, len(warm_up), opts.max_new_tokens, opts.speculate_k)
-    if (opts.compile or opts.compile_prefill) and report(model).compile_steps:  # warmed up: timed runs are steady
+    if (opts.compile and report(model).compile_steps) or opts.compile_prefill:  # warmed up: timed runs are steady
         t = time.perf_counter()
         generate(model, [warm_up] * opts.batch_size, 12 if drafter else 3, steps, **sampling, **speculation)
         compile_s = time.perf_counter() - t

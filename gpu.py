@@ -11,9 +11,9 @@ _weight_int4pack_mm: the weight is never dequantized. Inputs are rounded as the 
 
 Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. On CUDA
 that is not given (cuBLAS picks kernels by shape, attention splits by query length), so before the model serves,
-exact_verify_tokens runs one product of each shape and the attention at 1 and up to backend.LONGEST_VERIFY rows, bit for bit, and
-the report says the longest verify that held (backend.Report.max_verify_tokens). The target's steps are compiled
-without coordinate-descent tuning (speculative.compile_options), which would rewrite one-row products only.
+exact_verify_tokens runs one product of each shape and the attention at 1 and up to backend.LONGEST_VERIFY rows, bit
+for bit, and the report says the longest verify that held (backend.Report.max_verify_tokens). The target's steps are
+compiled without coordinate-descent tuning (speculative.compile_options), which would rewrite one-row products only.
 """
 import dataclasses
 

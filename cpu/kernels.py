@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")  # one translation unit of the headers in few_rows/
-# A step: decode (1 token a row), draft catch-up (2) or verify (K + 1 for K up to 32). few_rows.cpp computes each row
-# of a step by itself, whatever the number of rows, so a verify's rows are bit for bit a decode step's.
+# A step: decode (1 token a row), draft catch-up (2) or verify (K + 1: at most backend.LONGEST_VERIFY). few_rows.cpp
+# computes each row of a step by itself, whatever the number of rows, so a verify's rows are bit for bit a decode
+# step's; up to 33 tokens a row it takes them (a step's products stay on its kernels well past the longest verify).
 STEP_TOKENS = 33
 loaded = None  # whether the ops are loaded; None: not tried yet
 built = None  # the name of the build loaded (build_name)
@@ -178,6 +179,14 @@ def load() -> bool:
     torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
     torch.library.register_fake("few_rows::llama_step")(
         lambda tokens, positions, embeddings, *rest: embeddings.new_empty(*tokens.shape, outputs(rest[3][-1])))
+    torch.library.register_fake("few_rows::linear")(
+        lambda x, weight, factors, table, bias, n: x.new_empty(*x.shape[:-1], n))
+    torch.library.register_fake("few_rows::attention_block")(lambda x, *rest: torch.empty_like(x))
+    torch.library.register_fake("few_rows::mlp_block")(lambda x, *rest: torch.empty_like(x))
+    torch.library.register_fake("few_rows::attention_output")(lambda x, *rest: torch.empty_like(x))
+    torch.library.register_fake("few_rows::attention_queries")(
+        lambda x, positions, cos, sin, qkv, f, t, b, k_cache, v_cache, n_heads, n_kv_heads, norm, eps: x.new_empty(
+            x.shape[0], n_kv_heads, n_heads // n_kv_heads * x.shape[1], k_cache.shape[-1]))
     loaded = True
     return True
 

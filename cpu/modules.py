@@ -26,7 +26,7 @@ class Linear(nn.Linear):
 
     def restore_weight(self):
         if self.weight.is_meta:
-            self.weight = nn.Parameter(pair_weights(self.tiles, self.out_features), requires_grad=False)
+            self.weight = nn.Parameter(pair_weights(self.tiles, self.weight.shape[0]), requires_grad=False)
 
     def operands(self):  # (weight, factors, table) as few_rows.cpp takes them
         return (self.weight if self.tiles is None else self.tiles), None, None
@@ -39,7 +39,8 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         if self.tiles is not None or step_rows(x):
-            return linear(x, self.weight if self.tiles is None else self.tiles, None, None, self.bias, self.out_features)
+            weight = self.weight if self.tiles is None else self.tiles
+            return linear(x, weight, None, None, self.bias, self.weight.shape[0])
         return many_rows(x, self.weight, self.bias)
 
 

@@ -136,7 +136,8 @@ def attend_around(attention, x, cos, sin, mask, input_pos, norm=None):
     cache = attention.kv_cache
     q = torch.ops.few_rows.attention_queries(
         x, input_pos.contiguous(), cos.contiguous(), sin.contiguous(), *qkv, cache.k_cache, cache.v_cache,
-        attention.n_heads, attention.n_kv_heads, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+        attention.n_heads, attention.n_kv_heads, None if norm is None else norm.weight,
+        0.0 if norm is None else norm.eps)
     y = attention.attend(q, cache.k_cache, cache.v_cache, mask, input_pos)
     return torch.ops.few_rows.attention_output(x, y, *wo, attention.n_heads, norm is not None)
 
@@ -188,6 +189,8 @@ BLOCKS = {AttentionBlock: ("model.Transformer.forward", "model.Attention.forward
           FeedForwardBlock: ("model.FeedForward.forward",),
           RMSNormRows: ("model.RMSNorm.forward",),
           Halves: ("model.Block.forward", "model.RMSNorm.forward")}
+
+
 def model_py_parts(edited: set) -> str:
     """Which modules of a step run model.py's code where these functions are edited, in words ("" for none)."""
     attention = "attention" if edited & set(BLOCKS[AttendAround]) else "attend"
@@ -221,10 +224,10 @@ class StepParts:
         for i, layer in enumerate(m.layers):
             qkv, wo, gate_up, down = self.products[4 * i:4 * i + 4]
             attention = AttentionBlock if AttentionBlock in kept else AttendAround
-            for module, kind, operands in ((layer.attention, attention, (*qkv.operands(), qkv.bias, *wo.operands())),
-                                           (layer.feed_forward, FeedForwardBlock, (*gate_up.operands(), *down.operands())),
-                                           (layer.attention_norm, RMSNormRows, ()), (layer.ffn_norm, RMSNormRows, ()),
-                                           (layer, Halves, ())):
+            modules = ((layer.attention, attention, (*qkv.operands(), qkv.bias, *wo.operands())),
+                       (layer.feed_forward, FeedForwardBlock, (*gate_up.operands(), *down.operands())),
+                       (layer.attention_norm, RMSNormRows, ()), (layer.ffn_norm, RMSNormRows, ()), (layer, Halves, ()))
+            for module, kind, operands in modules:
                 if kind in kept:
                     self.swapped.append((module, type(module)))
                     module.__class__, module.block_operands = kind, operands

@@ -36,7 +36,8 @@ from tokenizer import Tokenizer  # noqa: E402
 
 # (name, the function edited, the text replaced, what replaces it)
 EDITS = [("activation", model.FeedForward, "forward", "F.silu(self.w1(x))", "F.gelu(self.w1(x), approximate=\"tanh\")"),
-         ("attention scale", model.Attention, "attend", "attn_mask=mask)", "attn_mask=mask, scale=0.9 / q.shape[-1] ** 0.5)")]
+         ("attention scale", model.Attention, "attend", "attn_mask=mask)",
+          "attn_mask=mask, scale=0.9 / q.shape[-1] ** 0.5)")]
 
 
 def edited(owner, name, old, new):

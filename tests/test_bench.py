@@ -12,8 +12,8 @@ def test_bench_errors_are_one_line(smollm2, tmp_path):
     result = cli("--checkpoint_path", str(ckpt), "--rows", "compiled,quant-int3", script="scripts/bench.py")
     assert_one_line_error(result, "quant-int3", "int8, int4, mxfp8")
     assert "quantize.py" not in result.stderr
-    assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--rows", "compiled,spec-ngram-33",
-                              script="scripts/bench.py"), "spec-ngram-33", "at most 32")
+    assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--rows", "compiled,spec-ngram-17",
+                              script="scripts/bench.py"), "spec-ngram-17", "at most 16")
 
 
 def test_contended_reports_idle_and_busy_side_by_side(smollm2):

@@ -101,7 +101,13 @@ def test_an_8_row_verify_is_8_decode_steps_bit_for_bit(smollm2):
     """Real weights, bf16, with the backend: the logits of a verify of 8 tokens (K = 7) equal, bit for bit, those of
     8 one-token decode steps of the same tokens from the same cache state (what makes K = 7 exact)."""
     ckpt, _ = smollm2
-    m = load_model(ckpt, "cpu", torch.bfloat16)
+    verify, steps, _ = verify_and_steps(load_model(ckpt, "cpu", torch.bfloat16))
+    assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
+
+
+def verify_and_steps(m):
+    """After a 60-token prompt: the logits of a verify of 8 random tokens, those of 8 one-token steps of the same
+    tokens from the same cache state, and the tokens."""
     m.setup_caches(1, 256)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -109,7 +115,7 @@ def test_an_8_row_verify_is_8_decode_steps_bit_for_bit(smollm2):
         tokens = torch.randint(0, 49152, (1, 8), generator=generator)
         verify = m(tokens, torch.arange(60, 68)[None])
         steps = torch.cat([m(tokens[:, i:i + 1], torch.tensor([[60 + i]])) for i in range(8)], 1)
-    assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
+    return verify, steps, tokens
 
 
 def test_a_fork_s_edited_activation_leaves_only_its_mlp_and_stays_exact(smollm2, monkeypatch, capsys):
@@ -129,13 +135,7 @@ def test_a_fork_s_edited_activation_leaves_only_its_mlp_and_stays_exact(smollm2,
     assert [type(x) for x in (layer, layer.attention, layer.feed_forward, layer.feed_forward.w1)] == [
         one_call.Halves, one_call.AttentionBlock, model.FeedForward, modules.Linear]
     assert backend.report(m).name == "cpu" and not backend.report(m).one_call_step
-    m.setup_caches(1, 256)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        m(torch.randint(0, 49152, (1, 60), generator=generator), torch.arange(60)[None])
-        tokens = torch.randint(0, 49152, (1, 8), generator=generator)
-        verify = m(tokens, torch.arange(60, 68)[None])
-        steps = torch.cat([m(tokens[:, i:i + 1], torch.tensor([[60 + i]])) for i in range(8)], 1)
+    verify, steps, tokens = verify_and_steps(m)
     assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
     for layer in m.layers:
         layer.__class__ = model.Block  # model.py's Block.forward around the same modules, the last step again

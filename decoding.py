@@ -80,10 +80,18 @@ def most_drafts(speculate_k, verify_limit=None) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A request checked once, before anything runs: the most drafts a round verifies (0 without a drafter) and the
-    KV cache length it needs."""
+    """A request checked once, before anything runs: the most drafts a round verifies (0 without a drafter), the KV
+    cache length it needs, and the K asked (None without a drafter)."""
     k_max: int
     cache_len: int
+    speculate_k: int | str | None = None
+
+    def within(self, verify_limit) -> "Plan":
+        """This plan for a loaded model whose backend verifies at most verify_limit tokens a row exactly
+        (backend.Report.max_verify_tokens): auto's K lowered to it, a K past it refused."""
+        if self.speculate_k is None or verify_limit is None:
+            return self
+        return dataclasses.replace(self, k_max=most_drafts(self.speculate_k, verify_limit))
 
 
 def plan(args: ModelArgs, longest_prompt: int, max_new_tokens: int, speculate_k=None, verify_limit=None) -> Plan:
@@ -93,12 +101,12 @@ def plan(args: ModelArgs, longest_prompt: int, max_new_tokens: int, speculate_k=
     if speculate_k is None:
         return Plan(0, cache_length(longest_prompt, max_new_tokens, args))
     spare = 2 * ((AdaptiveK.k_max if speculate_k == "auto" else speculate_k) + 1)
-    return Plan(most_drafts(speculate_k, verify_limit), cache_length(longest_prompt, max_new_tokens, args, spare))
+    return Plan(most_drafts(speculate_k, verify_limit), cache_length(longest_prompt, max_new_tokens, args, spare),
+                speculate_k)
 
 
-def presize_caches(model, drafter, batch_size, longest_prompt, max_new_tokens, speculate_k):
+def presize_caches(model, batch_size, request: Plan):
     """Allocate the caches a request needs before compiling, so the timed run reuses the compiled shapes."""
-    request = plan(model.args, longest_prompt, max_new_tokens, speculate_k if drafter else None)
     model.setup_caches(batch_size, request.cache_len)
 
 
@@ -202,7 +210,8 @@ def extend_rows(outputs, histories, new, done, eos_ids, max_new_tokens):
 @keeps_thread_count
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
-             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5, sync_every=None, cached=0):
+             top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5, sync_every=None, cached=0,
+             request=None):
     """Generate for a batch of prompts (ragged lengths allowed). Returns (new tokens per row, stats).
 
     cached: the first `cached` tokens of every prompt are in the model's KV cache (and a model drafter's) from the
@@ -214,14 +223,16 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     exactly). Where the results do not depend on the thread count (sizes_threads), the loop's threads follow the
     cores other processes leave free (ThreadSizer); stats["threads"] is how many it ended with. Plain decoding looks
     at its tokens on the host every `sync_every` steps (default: 8 on CUDA, where each look waits for the GPU; 1
-    elsewhere): tokens a row decodes past its end are dropped."""
+    elsewhere): tokens a row decodes past its end are dropped. `request`: the request's plan where the caller made it
+    (generate.py does, before loading: plan()), else it is made here; either way held to the backend's report."""
     device = model.tok_embeddings.weight.device
     sync_every, sampling = sync_every or (8 if device.type == "cuda" else 1), (temperature, top_k, top_p)
     tokens, input_pos, lengths = right_padded(prompts, device)
     if not 0 <= cached < min(lengths.tolist()):
         raise ValueError(f"cached={cached}: prefill needs at least the newest token of every prompt")
-    request = plan(model.args, tokens.shape[1], max_new_tokens, speculate_k if drafter else None,
-                   report(model).max_verify_tokens)
+    if request is None:
+        request = plan(model.args, tokens.shape[1], max_new_tokens, speculate_k if drafter else None)
+    request = request.within(report(model).max_verify_tokens)
     adaptive = AdaptiveK(k_max=request.k_max) if drafter and speculate_k == "auto" else None
     cache_len = max(model.max_seq_len, request.cache_len)
     model.setup_caches(len(prompts), cache_len)

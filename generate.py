@@ -138,8 +138,9 @@ def check_draft(opts, tokenizer, target_args) -> ModelArgs | None:
 
 def check_request(opts):
     """Every check that needs no model: flags, files, tokenizers, the chat template, the prompt against the target's
-    and the draft's context. Returns (checkpoint directory, tokenizer, prompt, chat, the context check): with --chat,
-    the prompt is the first turn's tokens (None when turns come from stdin) and chat a Chat."""
+    and the draft's context. Returns (checkpoint directory, tokenizer, prompt, chat, the context check, the prompt's
+    plan): with --chat, the prompt is the first turn's tokens (None when turns come from stdin) and chat a Chat. The
+    context check of a turn's tokens returns its plan, made once: the loop takes it (decoding.generate's request)."""
     check_options(opts)
     ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
     args = read_model_args(ckpt_dir / "config.json")
@@ -148,16 +149,17 @@ def check_request(opts):
     draft_args = check_draft(opts, tokenizer, args)
     speculate_k = opts.speculate_k if opts.draft_checkpoint or opts.draft == "ngram" else None
 
-    def check_context(tokens):  # the request's plan, for the target and the draft: K, the cache
-        for model_args in (args, draft_args) if draft_args else (args,):
-            plan(model_args, len(tokens), opts.max_new_tokens, speculate_k)
+    def check_context(tokens):  # the request's plan (K, the cache), the draft's context checked beside it
+        if draft_args:
+            plan(draft_args, len(tokens), opts.max_new_tokens, speculate_k)
+        return plan(args, len(tokens), opts.max_new_tokens, speculate_k)
 
     chat = None
     if opts.chat:
         chat = Chat(ChatTemplate(ckpt_dir), tokenizer)  # renders once: a template that fails to is one line here
         if opts.prompt is None:
-            check_context([tokenizer.bos_id or 0])  # the turns to come hold at least a token
-            return ckpt_dir, tokenizer, None, chat, check_context
+            request = check_context([tokenizer.bos_id or 0])  # the turns to come hold at least a token
+            return ckpt_dir, tokenizer, None, chat, check_context, request
         prompt, _ = chat.ask(opts.prompt)
         if not prompt:
             raise InputError(f"{chat.template.path}: the chat template rendered no tokens for this conversation")
@@ -165,8 +167,7 @@ def check_request(opts):
         prompt = parse_prompt("Hello, my name is" if opts.prompt is None else opts.prompt, tokenizer, opts.seed)
     if not prompt:
         raise InputError(f"--prompt {opts.prompt!r}: no tokens; give text or a number of tokens >= 1")
-    check_context(prompt)
-    return ckpt_dir, tokenizer, prompt, chat, check_context
+    return ckpt_dir, tokenizer, prompt, chat, check_context, check_context(prompt)
 
 
 def slow_path_notes(opts, served, device) -> list[str]:
@@ -187,7 +188,7 @@ def say_phases(name, seconds, phases):
 
 
 def run(opts):
-    ckpt_dir, tokenizer, prompt, chat, check_context = check_request(opts)
+    ckpt_dir, tokenizer, prompt, chat, check_context, request = check_request(opts)
     torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     group, device = tp.init_from_env(opts.device)
     rank0 = tp.is_rank0()  # only rank 0 prints
@@ -217,10 +218,11 @@ def run(opts):
     speculation = dict(drafter=drafter, speculate_k=opts.speculate_k)
     compile_s = 0.0
     warm_up = prompt or chat.tokenizer.encode("Hello", bos=False)
-    presize_caches(model, drafter, opts.batch_size, len(warm_up), opts.max_new_tokens, opts.speculate_k)
+    presize_caches(model, opts.batch_size, request)
     if (opts.compile and report(model).compile_steps) or opts.compile_prefill:  # warmed up: timed runs are steady
         t = time.perf_counter()
-        generate(model, [warm_up] * opts.batch_size, 12 if drafter else 3, steps, **sampling, **speculation)
+        generate(model, [warm_up] * opts.batch_size, 12 if drafter else 3, steps, **sampling, **speculation,
+                 request=request if prompt else None)  # (a chat's warm-up: a turn of its own)
         compile_s = time.perf_counter() - t
     if group is not None:
         held = [None] * dist.get_world_size(group)
@@ -247,7 +249,7 @@ def run(opts):
             print(tokenizer.decode(prompt), end="", flush=True)
         try:
             rows, stats = generate(prompts=prompts, max_new_tokens=opts.max_new_tokens, eos_ids=tokenizer.eos_ids,
-                                   on_token=stream, **run_one)
+                                   on_token=stream, request=request, **run_one)
         finally:  # Ctrl-C included: the terminal gets the rest of the line
             if stream:
                 stream.finish()
@@ -275,11 +277,11 @@ def run_chat(opts, chat, prompt, check_context, tokenizer, run_one, metrics, ran
     and stops at the template's end-of-turn token (or at any end-of-generation token of the checkpoint)."""
     for turn, message in enumerate(user_turns(opts, rank0)):
         tokens, cached = (prompt, 0) if turn == 0 and prompt else chat.ask(message)
-        check_context(tokens)
+        request = check_context(tokens)
         stream = TextStream(tokenizer, hidden=chat.stop_ids) if not opts.json and rank0 else None
         try:
             rows, stats = generate(prompts=[tokens], max_new_tokens=opts.max_new_tokens, eos_ids=chat.stop_ids,
-                                   on_token=stream, cached=cached, **run_one)
+                                   on_token=stream, cached=cached, request=request, **run_one)
         finally:
             if stream:
                 stream.finish()

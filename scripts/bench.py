@@ -59,7 +59,7 @@ import quantize  # noqa: E402
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint  # noqa: E402
 import backend  # noqa: E402
 import cpu  # noqa: E402
-from decoding import Steps, generate, presize_caches  # noqa: E402
+from decoding import Steps, generate, plan, presize_caches  # noqa: E402
 from loading import DTYPES, apply_backend, check_device, load_model, make_drafter  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from prompts import humaneval_tasks  # noqa: E402
@@ -99,7 +99,8 @@ def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
     returns (decode tok/s: emitted tokens after the first over the time after prefill, tokens, stats)."""
     steps = Steps(compile=compiled, device=model.tok_embeddings.weight.device)
     spec = dict(drafter=drafter, speculate_k=k)
-    presize_caches(model, drafter, 1, max(map(len, prompts)), new_tokens, k)  # the compiled shapes are final
+    presize_caches(model, 1, plan(model.args, max(map(len, prompts)), new_tokens, k if drafter else None))  # the
+    # compiled shapes are final
     t = time.perf_counter()
     generate(model, prompts[:1], 12 if drafter else 3, steps, **spec)
     warmup_s = time.perf_counter() - t
@@ -331,8 +332,9 @@ def set_up(rows, opts, model, prompts, step_bytes):
         if drafter:
             by_target.setdefault(mode, []).append(k)
     for mode, ks in by_target.items():  # (a new size would recompile the rows compiled before it)
-        presize_caches(load_row_model(opts, mode), True, 1, max(map(len, prompts)), opts.max_new_tokens,
-                       "auto" if "auto" in ks else max(ks))
+        target = load_row_model(opts, mode)
+        presize_caches(target, 1, plan(target.args, max(map(len, prompts)), opts.max_new_tokens,
+                                       "auto" if "auto" in ks else max(ks)))
     setups, plain_rows = [], {}
     for row in rows:
         row_bytes, compiled, target_row = step_bytes, True, False

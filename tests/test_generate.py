@@ -177,6 +177,25 @@ def test_slow_paths_say_so_in_one_line_with_the_faster_choice(tiny):
     assert len(said) == 1 and "--compile changes nothing here" in said[0] and "compiled in" not in err, said
 
 
+def test_a_request_s_plan_is_made_once(tiny, monkeypatch):
+    """generate.py makes a request's plan (K, the cache) once, before loading, and the loop takes it: one plan for
+    two samples of a speculative request, none made again in decoding.generate."""
+    import decoding
+    ckpt, _ = tiny("llama_gqa_tied")
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(args[1:])
+        return plan(*args, **kwargs)
+    plan = decoding.plan
+    monkeypatch.setattr(decoding, "plan", counted)
+    monkeypatch.setattr(generate_cli, "plan", counted)
+    result = cli("--checkpoint_path", str(ckpt), "--prompt", "hello", "--max_new_tokens", "8", "--draft", "ngram",
+                 "--speculate_k", "3", "--num_samples", "2", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert len(made) == 1, made
+
+
 def assert_one_line_error(result, *fragments):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr

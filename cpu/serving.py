@@ -2,7 +2,7 @@
 import backend
 import model
 from checkpoint import release_file_pages
-from cpu.gate import ATTEND, ONE_CALL, REPLACED, edited, one_call_possible
+from cpu.gate import ATTEND, REPLACED, edited, one_call_possible
 from cpu.kernels import STEP_TOKENS
 from cpu.huge_pages import HugePages, give_back_heap, move_to_huge_pages
 from cpu.modules import PRODUCTS, Attention, Linear
@@ -57,11 +57,6 @@ def serve(transformer, products, mapped, step=True) -> tuple[list, StepParts | N
     if transformer.args.tie_embeddings and transformer.output in products:  # the head's copy serves the embedding
         transformer.tok_embeddings.weight = transformer.output.weight
     return originals, StepParts(transformer, step_products + [transformer.output]) if stacked else None
-
-
-def step_edits() -> set:
-    """The names of the functions of model.py that a step of the backend's re-implements and a fork has edited."""
-    return {name for name, _ in edited({**ONE_CALL, **{name: REPLACED[name] for name in ATTEND}})}
 
 
 def served_report(transformer, products, model_py=None) -> backend.Report:

@@ -39,8 +39,12 @@ def read_config(path) -> dict:
 def read_model_args(path) -> ModelArgs:
     """The model's shape and math from config.json, every field checked: one InputError naming the file and the
     field where one is missing or wrong."""
+    return model_args(read_config(path), path)
+
+
+def model_args(config: dict, path="config.json") -> ModelArgs:
+    """ModelArgs from config.json's dict, every field checked (read_model_args)."""
     path = Path(path)
-    config = read_config(path)
     fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
     missing = [name for name in fields if name not in ModelArgs.OPTIONAL and name not in config]
     if missing:
@@ -108,6 +112,28 @@ def resolve_checkpoint(path) -> tuple[Path, Path]:
     if not weights.is_file():
         raise InputError(f"{weights}: not found; convert a model first with scripts/convert_checkpoint.py")
     return path, weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint resolved once: its directory, the weights file to load and config.json (read once, checked)."""
+    directory: Path
+    weights: Path
+    args: ModelArgs
+    config: dict  # config.json as read: the tokenizer's special ids too
+
+    def with_weights(self, weights: Path) -> "Checkpoint":
+        """Another weights file of the same model (quantize.py's copy beside it)."""
+        return dataclasses.replace(self, weights=Path(weights))
+
+
+def open_checkpoint(path) -> Checkpoint:
+    """A checkpoint directory or a .safetensors file inside one (or a Checkpoint, as it is) -> Checkpoint."""
+    if isinstance(path, Checkpoint):
+        return path
+    directory, weights = resolve_checkpoint(path)
+    config = read_config(directory / "config.json")
+    return Checkpoint(directory, weights, model_args(config, directory / "config.json"), config)
 
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-import tp
+import ranks
 from backend import LONGEST_VERIFY, report
 from checkpoint import InputError
 from threads import ThreadSizer
@@ -256,7 +256,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
             token, new = decode_chunk(model, steps, token, pos, active, min(sync_every, min(room)), sampling)
             rounds += len(new[0])
         else:
-            k = tp.from_rank0(adaptive.k) if adaptive else speculate_k  # every rank verifies the same K
+            k = ranks.from_rank0(adaptive.k) if adaptive else speculate_k  # every rank verifies the same K
             drafts = min(k, max(room) - 1)  # a last round drafts only what its longest row can still emit
             draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, k, steps.verify,
                                                               *sampling, drafts)

@@ -15,17 +15,18 @@ import os
 import signal
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+import ranks
 import tp
 from backend import report
 from chat import Chat, ChatTemplate
-from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint
-from decoding import Steps, generate, plan, presize_caches
+from checkpoint import Checkpoint, InputError, OneLineErrors, open_checkpoint
+from decoding import Plan, Steps, generate, plan, presize_caches
 from loading import BACKENDS, DTYPES, check_device, draft_mode, load_model, make_drafter
-from model import ModelArgs
 from tokenizer import TextStream, Tokenizer
 
 def parse_prompt(prompt: str, tokenizer: Tokenizer, seed: int) -> list[int]:
@@ -117,49 +118,59 @@ def check_options(opts):
                          "launch at most one rank per GPU")
 
 
-def check_draft(opts, tokenizer, target_args) -> ModelArgs | None:
-    """The draft checkpoint's files, tokenizer and vocabulary, before any model is loaded: its config, or None."""
+def check_draft(opts, tokenizer, target: Checkpoint) -> Checkpoint | None:
+    """The draft checkpoint's files, tokenizer and vocabulary, before any model is loaded: the draft resolved and its
+    config read, once (make_drafter takes it), or None."""
     if not opts.draft_checkpoint:
         return None
     try:
-        draft_dir, _ = resolve_checkpoint(opts.draft_checkpoint)
+        draft = open_checkpoint(opts.draft_checkpoint)
     except InputError as e:
         raise InputError(f"--draft_checkpoint {opts.draft_checkpoint}: {e}") from None
-    draft_tokenizer = Tokenizer(draft_dir)
+    draft_tokenizer = Tokenizer(draft.directory, draft.config)
     if not tokenizer.same_vocabulary(draft_tokenizer):
         raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
                          f"({tokenizer.path}); speculation needs the same vocabulary")
-    draft_args = read_model_args(draft_dir / "config.json")
-    if draft_args.vocab_size != target_args.vocab_size:
-        raise InputError(f"{draft_dir / 'config.json'}: vocab_size {draft_args.vocab_size} differs from the "
-                         f"target's {target_args.vocab_size}; speculation needs the same vocabulary")
-    return draft_args
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise InputError(f"{draft.directory / 'config.json'}: vocab_size {draft.args.vocab_size} differs from the "
+                         f"target's {target.args.vocab_size}; speculation needs the same vocabulary")
+    return draft
 
 
-def check_request(opts):
+class Checked(NamedTuple):
+    """A request checked before any model loads: the target and draft checkpoints (each resolved and read once),
+    the tokenizer, the prompt's tokens (None for a chat whose turns come from stdin), the Chat or None, the context
+    check of a turn's tokens (returns its plan) and the prompt's plan, made once (decoding.generate's request)."""
+    target: Checkpoint
+    draft: Checkpoint | None
+    tokenizer: Tokenizer
+    prompt: list | None
+    chat: Chat | None
+    check_context: Callable
+    plan: Plan
+
+
+def check_request(opts) -> Checked:
     """Every check that needs no model: flags, files, tokenizers, the chat template, the prompt against the target's
-    and the draft's context. Returns (checkpoint directory, tokenizer, prompt, chat, the context check, the prompt's
-    plan): with --chat, the prompt is the first turn's tokens (None when turns come from stdin) and chat a Chat. The
-    context check of a turn's tokens returns its plan, made once: the loop takes it (decoding.generate's request)."""
+    and the draft's context. With --chat, the prompt is the first turn's tokens."""
     check_options(opts)
-    ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
-    args = read_model_args(ckpt_dir / "config.json")
-    tp.check_split(args, int(os.environ.get("WORLD_SIZE", opts.nproc_per_node)))  # the draft is replicated
-    tokenizer = Tokenizer(ckpt_dir)
-    draft_args = check_draft(opts, tokenizer, args)
+    target = open_checkpoint(opts.checkpoint_path)
+    tp.check_split(target.args, int(os.environ.get("WORLD_SIZE", opts.nproc_per_node)))  # the draft is replicated
+    tokenizer = Tokenizer(target.directory, target.config)
+    draft = check_draft(opts, tokenizer, target)
     speculate_k = opts.speculate_k if opts.draft_checkpoint or opts.draft == "ngram" else None
 
     def check_context(tokens):  # the request's plan (K, the cache), the draft's context checked beside it
-        if draft_args:
-            plan(draft_args, len(tokens), opts.max_new_tokens, speculate_k)
-        return plan(args, len(tokens), opts.max_new_tokens, speculate_k)
+        if draft:
+            plan(draft.args, len(tokens), opts.max_new_tokens, speculate_k)
+        return plan(target.args, len(tokens), opts.max_new_tokens, speculate_k)
 
     chat = None
     if opts.chat:
-        chat = Chat(ChatTemplate(ckpt_dir), tokenizer)  # renders once: a template that fails to is one line here
+        chat = Chat(ChatTemplate(target.directory), tokenizer)  # renders once: a failing template is one line here
         if opts.prompt is None:
             request = check_context([tokenizer.bos_id or 0])  # the turns to come hold at least a token
-            return ckpt_dir, tokenizer, None, chat, check_context, request
+            return Checked(target, draft, tokenizer, None, chat, check_context, request)
         prompt, _ = chat.ask(opts.prompt)
         if not prompt:
             raise InputError(f"{chat.template.path}: the chat template rendered no tokens for this conversation")
@@ -167,7 +178,7 @@ def check_request(opts):
         prompt = parse_prompt("Hello, my name is" if opts.prompt is None else opts.prompt, tokenizer, opts.seed)
     if not prompt:
         raise InputError(f"--prompt {opts.prompt!r}: no tokens; give text or a number of tokens >= 1")
-    return ckpt_dir, tokenizer, prompt, chat, check_context, check_context(prompt)
+    return Checked(target, draft, tokenizer, prompt, chat, check_context, check_context(prompt))
 
 
 def slow_path_notes(opts, served, device) -> list[str]:
@@ -188,19 +199,21 @@ def say_phases(name, seconds, phases):
 
 
 def run(opts):
-    ckpt_dir, tokenizer, prompt, chat, check_context, request = check_request(opts)
+    checked = check_request(opts)
+    ckpt_dir, tokenizer, prompt, chat, request = (checked.target.directory, checked.tokenizer, checked.prompt,
+                                                  checked.chat, checked.plan)
     torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
-    group, device = tp.init_from_env(opts.device)
-    rank0 = tp.is_rank0()  # only rank 0 prints
+    group, device = ranks.init_from_env(opts.device)
+    rank0 = ranks.is_rank0()  # only rank 0 prints
     t = time.perf_counter()
     load_phases, draft_phases = {}, {}
-    model = load_model(opts.checkpoint_path, device, DTYPES[opts.dtype], tp_group=group, backend=opts.backend,
+    model = load_model(checked.target, device, DTYPES[opts.dtype], tp_group=group, backend=opts.backend,
                        phases=load_phases)
     load_s = time.perf_counter() - t
     steps = Steps(opts.compile, opts.compile_prefill, device)
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     t = time.perf_counter()
-    drafter = make_drafter(opts.draft or ("model" if opts.draft_checkpoint else None), opts.draft_checkpoint, device,
+    drafter = make_drafter(opts.draft or ("model" if opts.draft_checkpoint else None), checked.draft, device,
                            DTYPES[opts.dtype], opts.backend, opts.compile, draft_phases,
                            opts.draft_quantize or "auto")
     draft_load_s = time.perf_counter() - t if draft_phases else 0.0
@@ -241,7 +254,7 @@ def run(opts):
     metrics = dict(step_bytes=report(model).step_bytes, compile_s=compile_s, load=load)
     run_one = dict(model=model, steps=steps, **sampling, **speculation)
     if chat:
-        return run_chat(opts, chat, prompt, check_context, tokenizer, run_one, metrics, rank0)
+        return run_chat(opts, chat, prompt, checked.check_context, tokenizer, run_one, metrics, rank0)
     prompts = [prompt] * opts.batch_size
     for sample_idx in range(opts.num_samples):
         stream = TextStream(tokenizer, prompt) if opts.batch_size == 1 and not opts.json and rank0 else None
@@ -265,7 +278,7 @@ def user_turns(opts, rank0):
     while True:
         if rank0 and sys.stdin.isatty():
             print("> ", end="", file=sys.stderr, flush=True)
-        line = tp.from_rank0(sys.stdin.readline() if rank0 else None)
+        line = ranks.from_rank0(sys.stdin.readline() if rank0 else None)
         if not line:
             return
         if line.strip():
@@ -340,21 +353,21 @@ def main(argv=None):
     try:
         if opts.nproc_per_node > 1 and os.environ.get("RANK") is None:  # the launcher: check, then start the ranks
             check_request(opts)
-            sys.exit(tp.launch([__file__, *argv], opts.nproc_per_node))
+            sys.exit(ranks.launch([__file__, *argv], opts.nproc_per_node))
         run(opts)
     except InputError as e:  # every rank meets the same bad input, so all of them get here
         error = f"error: {e}"
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (or the launcher's) adds nothing
-        if tp.is_rank0():
+        if ranks.is_rank0():
             print("interrupted", file=sys.stderr)
-        tp.finish(130, wait=False)
+        ranks.finish(130, wait=False)
         sys.exit(130)
     if error:
-        if tp.is_rank0():
+        if ranks.is_rank0():
             print(error, file=sys.stderr)
-        tp.report_error(error)
-    tp.finish(1 if error else 0)  # under torchrun the process ends here
+        ranks.report_error(error)
+    ranks.finish(1 if error else 0)  # under torchrun the process ends here
     if error:
         sys.exit(1)
 

@@ -31,7 +31,7 @@ RUNS_REFERENCE = "int4 layers run quantize.py's reference forward"
 class TinyGemmInt4Linear(nn.Module):
     def __init__(self, ref: quantize.Int4Linear):
         super().__init__()
-        n, k = ref.weight.shape[0], ref.weight.shape[1] * 2
+        n, k = ref.out_features, ref.in_features
         self.groupsize, self.in_features, self.bias = ref.groupsize, k, ref.bias
         inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
         codes = mx.unpack(ref.weight, 4)  # [N, K], element 2i was the low nibble on disk
@@ -55,9 +55,9 @@ def refusal(model, int4) -> str | None:
     if model.tok_embeddings.weight.dtype != torch.bfloat16:
         return "tinygemm takes bf16 inputs (use --dtype bf16)"
     for name, m in int4:
-        k = m.weight.shape[1] * 2
-        if k % 32 or m.weight.shape[0] % 8:
-            return f"{name}: in_features {k} / out_features {m.weight.shape[0]} do not fit tinygemm (multiples of 32 / 8)"
+        if m.in_features % 32 or m.out_features % 8:
+            return (f"{name}: in_features {m.in_features} / out_features {m.out_features} do not fit tinygemm "
+                    "(multiples of 32 / 8)")
     return None
 
 
@@ -77,13 +77,7 @@ def apply(model) -> backend.Report:
 
 def in_features(m) -> int | None:
     """A product module's inputs (None: not a product)."""
-    if isinstance(m, quantize.Int4Linear):
-        return 2 * m.weight.shape[1]
-    if isinstance(m, quantize.MXLinear):
-        return m.weight.shape[1] * 8 // m.fmt.bits
-    if isinstance(m, quantize.Int8Linear):
-        return m.weight.shape[1]
-    return m.in_features if isinstance(m, (nn.Linear, TinyGemmInt4Linear)) else None
+    return m.in_features if isinstance(m, (nn.Linear, TinyGemmInt4Linear, *quantize.FORMATS.values())) else None
 
 
 def products(model) -> dict:
@@ -93,7 +87,7 @@ def products(model) -> dict:
         k = in_features(m)
         if k is None:
             continue
-        shape = (type(m), k, m.out_features if hasattr(m, "out_features") else m.weight.shape[0])
+        shape = (type(m), k, m.out_features)
         if shape not in shapes:
             shapes.add(shape)
             found[name] = (m, k)
@@ -149,7 +143,7 @@ def try_to_serve(model) -> backend.Report:
     while int4:
         name, ref = int4.pop(0)
         fast = TinyGemmInt4Linear(ref)
-        x = torch.randn(3, ref.weight.shape[1] * 2, generator=g, device=ref.weight.device, dtype=torch.bfloat16)
+        x = torch.randn(3, ref.in_features, generator=g, device=ref.weight.device, dtype=torch.bfloat16)
         with torch.no_grad():
             want, got = ref(x).float(), fast(x).float()
         error = ((got - want).norm() / want.norm()).item()

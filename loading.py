@@ -13,8 +13,9 @@ import backend
 import cpu
 import gpu
 import quantize
+import ranks
 import tp
-from checkpoint import InputError, map_safetensors, no_random_init, read_model_args, resolve_checkpoint
+from checkpoint import InputError, map_safetensors, no_random_init, open_checkpoint
 from model import Transformer
 from speculative import ModelDrafter, NgramDrafter
 
@@ -40,7 +41,8 @@ def check_device(device):
 
 def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=None, backend="auto",
                phases=None) -> Transformer:
-    """Build on the meta device, then assign the mapped tensors: the weights are never held twice.
+    """`checkpoint_path`: a directory, a .safetensors file in one, or a checkpoint.Checkpoint (resolved and read once).
+    Build on the meta device, then assign the mapped tensors: the weights are never held twice.
     A file written by quantize.py carries its mode in the metadata and gets quantized modules.
     With a process group (torchrun), tp.py slices the mapped tensors first, so each rank copies only its shard.
     backend "auto": the backend of the device serves what it proves to compute as model.py does (apply_backend);
@@ -49,8 +51,8 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     start = time.perf_counter()
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend}: unknown; use {' or '.join(BACKENDS)}")
-    ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
-    args = read_model_args(ckpt_dir / "config.json")
+    checkpoint = open_checkpoint(checkpoint_path)
+    args, weights_path = checkpoint.args, checkpoint.weights
     tensors, metadata = map_safetensors(weights_path)
     mode, block = quantize.file_mode(metadata, weights_path)
     if mode:
@@ -116,40 +118,42 @@ def load_draft(checkpoint, device="cpu", dtype=torch.bfloat16, backend="auto", f
     that cannot be written, quantized in memory. Returns (model, the form that runs: "int4 (FILE)", "bf16", ...)."""
     phases = {} if phases is None else phases
     say = say or (lambda line: print(line, file=sys.stderr))
-    ckpt_dir, weights_path = resolve_checkpoint(checkpoint)
+    checkpoint = open_checkpoint(checkpoint)
+    ckpt_dir, weights_path = checkpoint.directory, checkpoint.weights
     mode = draft_mode(form, backend)
     own_mode = quantize.file_mode(map_safetensors(weights_path)[1], weights_path)[0]
     if own_mode and form not in ("auto", "none", own_mode):
         raise InputError(f"--draft_quantize {form}: {weights_path} is already {own_mode}; give the draft's "
                          "full-precision model.safetensors, or drop the flag")
-    if mode and not own_mode and not quantize_fits(read_model_args(ckpt_dir / "config.json"), mode):
+    if mode and not own_mode and not quantize_fits(checkpoint.args, mode):
         if form != "auto":
             raise InputError(f"--draft_quantize {form}: {ckpt_dir}'s layers do not fit {mode} (see quantize.py); "
                              "use auto or none")
         mode = None  # a draft too small for int4's groups runs as it is
     if own_mode or mode is None:
-        model = load_model(weights_path, device, dtype, backend=backend, phases=phases)
+        model = load_model(checkpoint, device, dtype, backend=backend, phases=phases)
         return model, own_mode or {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
     copy = ckpt_dir / f"model.{mode}.safetensors"
     start = time.perf_counter()
-    if tp.is_rank0() and not quantize.current_copy(copy, weights_path, mode) and draft_copy_may_be_written(copy):
+    if ranks.is_rank0() and not quantize.current_copy(copy, weights_path, mode) and draft_copy_may_be_written(copy):
         say(f"draft: writing its {mode} copy {copy} (once; a draft's bits change only which drafts are accepted, "
             f"never the output; --draft_quantize none keeps it as it is)")
         try:
-            quantize.quantize_checkpoint(weights_path, mode, output=copy, written_for="draft")
+            quantize.quantize_checkpoint(checkpoint, mode, output=copy, written_for="draft")
         except (InputError, OSError) as e:
             say(f"draft: {copy} not written ({str(e).splitlines()[0][:160]}); quantizing it in memory")
         phases["quantize"] = time.perf_counter() - start
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # the other ranks map what rank 0 wrote
     if quantize.current_copy(copy, weights_path, mode):
-        return load_model(copy, device, dtype, backend=backend, phases=phases), f"{mode} ({copy})"
-    if tp.is_rank0():  # a file of that name that the loader did not write is in the way, or it cannot write there
+        return load_model(checkpoint.with_weights(copy), device, dtype, backend=backend, phases=phases), \
+            f"{mode} ({copy})"
+    if ranks.is_rank0():  # a file of that name that the loader did not write is in the way, or it cannot write there
         say(f"draft: quantizing it to {mode} in memory at every load: {copy} is not its current {mode} copy and "
             "is not the loader's to replace (run quantize.py into it, or remove it, to keep a copy)"
             if copy.exists() else f"draft: quantizing it to {mode} in memory ({ckpt_dir} is not writable)")
     start = time.perf_counter()
-    model = load_model(weights_path, device, dtype, backend="torch", phases=phases)
+    model = load_model(checkpoint, device, dtype, backend="torch", phases=phases)
     quantize.quantize_model(model, mode)
     phases["quantize"] = phases.get("quantize", 0.0) + time.perf_counter() - start
     if backend == "auto":

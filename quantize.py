@@ -20,8 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mx
-from checkpoint import (InputError, OneLineErrors, map_safetensors, read_model_args, resolve_checkpoint,
-                        write_atomically)
+from checkpoint import InputError, OneLineErrors, map_safetensors, open_checkpoint, write_atomically
 from model import Transformer
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
@@ -49,6 +48,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def in_features(self):
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self):
+        return self.weight.shape[0]
 
     def forward(self, x):
         y = F.linear(round_activations(x, WIDE), self.weight.to(x.dtype)) * self.scales.to(x.dtype)
@@ -118,6 +125,12 @@ class Int4Linear(nn.Module):
                                                              dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    @property
+    def in_features(self):
+        return 2 * self.weight.shape[1]
+
+    out_features = Int8Linear.out_features
+
     def forward(self, x):
         y = rowwise_linear(round_activations(x), self.dequantize, self.weight.shape[0])
         return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -175,6 +188,12 @@ class MXLinear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features * self.fmt.bits // 8, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, in_features // mx.BLOCK, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def in_features(self):
+        return self.weight.shape[1] * 8 // self.fmt.bits
+
+    out_features = Int8Linear.out_features
 
     def forward(self, x):
         if self.fmt.integer_multiple:  # inputs rounded to 16 bits per block, as int8's
@@ -304,8 +323,8 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
 
     check_mode(mode, groupsize)
     rule = rule or mx.DEFAULT_RULE.get(MX_MODES.get(mode), "rceil")
-    ckpt_dir, weights_path = resolve_checkpoint(checkpoint_path)
-    args = read_model_args(ckpt_dir / "config.json")
+    checkpoint = open_checkpoint(checkpoint_path)
+    ckpt_dir, weights_path, args = checkpoint.directory, checkpoint.weights, checkpoint.args
     tensors, metadata = map_safetensors(weights_path)
     if metadata.get("quantization"):
         raise InputError(f"{weights_path}: already quantized ({metadata['quantization']}); quantize the "

@@ -9,10 +9,12 @@ from checkpoint import InputError, read_config
 
 
 class Tokenizer:
-    def __init__(self, checkpoint_dir):
+    def __init__(self, checkpoint_dir, config=None):
+        """config: config.json's dict where the caller has read it (checkpoint.Checkpoint.config)."""
         checkpoint_dir = Path(checkpoint_dir)
         config_path = checkpoint_dir / "config.json"
-        config = read_config(config_path) if config_path.is_file() else {}
+        if config is None:
+            config = read_config(config_path) if config_path.is_file() else {}
         if (checkpoint_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
             path = checkpoint_dir / "tokenizer.json"

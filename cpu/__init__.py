@@ -16,7 +16,7 @@ import time
 import torch
 
 import backend
-import tp
+import ranks
 from checkpoint import release_file_pages
 from cpu import kernels
 from cpu.canary import check_and_serve
@@ -90,7 +90,7 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
             parts.install(edits)
         phases["serve"] = time.perf_counter() - start
         return served_report(transformer, products, model_py_parts(edits))
-    say = tp.is_rank0()  # under torchrun, rank 0 speaks for all
+    say = ranks.is_rank0()  # under torchrun, rank 0 speaks for all
     if say:
         print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
               "torch)...", end="", file=sys.stderr, flush=True)

@@ -9,7 +9,6 @@ import time
 
 import torch
 
-import quantize
 from checkpoint import release_file_pages
 from cpu.serving import restore, serve
 
@@ -73,13 +72,6 @@ def noise_floor(transformer, state, expected) -> float:
             hook.remove()
 
 
-def rounds_inputs(module) -> bool:
-    """Products that round their inputs (int4 to 8 bits, int8 and integer MX elements to 16, packed MX 6-bit codes to
-    bf16)."""
-    return (isinstance(module, (quantize.Int4Linear, quantize.Int8Linear)) or getattr(module, "table", None) is not None
-            or getattr(module, "tiles", None) is not None)
-
-
 def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) -> tuple[str | None, bool | str]:
     """The canary: model.py in PyTorch, then served (model.py's forward around the products and attention, and the
     backend's step: the one-call step, or where `edits` names functions of model.py a fork edited, a call per module
@@ -104,7 +96,7 @@ def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) ->
         stepped = canary(transformer, transformer, state)
         if transformer.tok_embeddings.weight.dtype == torch.bfloat16:
             off, bound = largest(around, stepped), 0.0  # it rounds where eager PyTorch rounds: the same bits
-        elif any(rounds_inputs(m) for m in products):
+        elif any(m.rounds_inputs() for m in products):
             off, bound = rms(around, stepped), TOLERANCE
         else:
             off, bound = largest(around, stepped), ONE_CALL_FP32

@@ -25,17 +25,13 @@ KEPT = (model.Transformer, model.Block, model.FeedForward, model.RMSNorm, model.
 
 
 # The functions whose math the backend's kernels replace outright, so that no canary comparison of its own sees an
-# edit to them: (fingerprint of the math it was written against, hash of the shipped source; cpu/fingerprints.py). A
-# fork that edits one gets model.py's path (but attend: ATTEND); whoever changes one here updates the kernels, then
-# both hashes (tests/test_cpu.py prints them).
+# edit to them: (fingerprint of the math it was written against, hash of the shipped source; cpu/fingerprints.py),
+# a format's forward and dequantize declared by its class in cpu/modules.py. A fork that edits one gets model.py's
+# path (but attend: ATTEND); whoever changes one updates the kernels, then both hashes (tests/test_cpu.py prints them).
 REPLACED = {"model.Attention.attend": ("acd364298b21851a", "e7f628b8"),
             "quantize.round_activations": ("557dabcc3b770002", "2a62d06d"),
-            "quantize.Int8Linear.forward": ("b27930feeb5bd468", "f99dce03"),
-            "quantize.Int8Linear.dequantize": ("8dfc74cf09a780b6", "c67759bf"),
-            "quantize.Int4Linear.forward": ("d90a8014854b3f47", "b3a53210"),
-            "quantize.Int4Linear.dequantize": ("a62c875a7b90c3fb", "d9b348a1"),
-            "quantize.MXLinear.forward": ("af03a4058b2c0c9d", "37588596"),
-            "quantize.MXLinear.dequantize": ("ae3abfd669e2d04d", "474422a4")}
+            **{f"quantize.{fmt.__name__}.{name}": math for fmt, product in PRODUCTS.items()
+               for name, math in product.replaces.items()}}
 
 # Where a fork edits attention's own math, only attention leaves the kernels: it runs model.py's code (the products
 # are still served).

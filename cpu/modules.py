@@ -17,6 +17,11 @@ class Linear(nn.Linear):
     decode would); the tiles are then its only copy (restore rebuilds the weight), but where an embedding shares the
     weight (a tied head). Others (float32): a step's rows through few_rows.cpp, a prompt's through PyTorch's GEMM."""
 
+    replaces = {}  # nn.Linear's math is PyTorch's, not model.py's to edit
+
+    def rounds_inputs(self):
+        return False
+
     def prepare(self, shared=()):
         self.tiles = None
         if self.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0:
@@ -89,6 +94,12 @@ class Int8Linear(quantize.Int8Linear):
     (round_activations(x, WIDE)): exact integer sums, then each block's d and the column's scale (few_rows/columns.h).
     Every number of rows, a prompt's too."""
 
+    # The math its kernel implements: the fingerprint and source hash of its quantize.py class's functions (gate.py).
+    replaces = {"forward": ("b27930feeb5bd468", "f99dce03"), "dequantize": ("8dfc74cf09a780b6", "c67759bf")}
+
+    def rounds_inputs(self):
+        return True
+
     def prepare(self, rows=1024):
         n, k = self.weight.shape
         self.tiles = torch.empty(whole_tiles(n) // 16, k // 32, 512, dtype=torch.int8)  # filled a few rows at a time
@@ -125,6 +136,11 @@ class Int4Linear(quantize.Int4Linear):
     (round_activations), 16 output columns' codes times 4 inputs in one instruction, exact integer sums, then each
     block's and group's factors (few_rows/columns.h). Every number of rows, a prompt's too: a tile is read once from
     memory for all of them."""
+
+    replaces = {"forward": ("d90a8014854b3f47", "b3a53210"), "dequantize": ("a62c875a7b90c3fb", "d9b348a1")}
+
+    def rounds_inputs(self):
+        return True
 
     def prepare(self, rows=1024):
         n, k = self.weight.shape[0], 2 * self.weight.shape[1]
@@ -186,6 +202,11 @@ class MXLinear(quantize.MXLinear):
     permute unpack them); elsewhere, and E2M1 and INT8, expanded to int8 at load (8 bits, plus a float32 factor per
     block). E3M2 with AVX512_VBMI and AVX512_BF16: packed codes through a bf16 table, times the inputs in bf16 pairs;
     else, and E4M3: expanded to bf16 at load (exact), times a float32 factor per block."""
+
+    replaces = {"forward": ("af03a4058b2c0c9d", "37588596"), "dequantize": ("ae3abfd669e2d04d", "474422a4")}
+
+    def rounds_inputs(self):  # packed 6-bit codes through a bf16 table round inputs to bf16, tiles to integers
+        return self.tiles is not None or self.table is not None
 
     def prepare(self, rows=1024):
         self.tiles = self.tile_factors = self.values = self.block_factors = self.table = None

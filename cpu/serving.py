@@ -8,21 +8,18 @@ from cpu.huge_pages import HugePages, give_back_heap, move_to_huge_pages
 from cpu.modules import PRODUCTS, Attention, Linear
 from cpu.one_call import Stack, StepParts
 
-# The attributes the backend's modules add: restore drops them.
-RUNTIME = ("tiles", "tile_factors", "scale_factors", "values", "block_factors", "table")
-
 
 def serve(transformer, products, mapped, step=True) -> tuple[list, StepParts | None]:
     """Swap in the backend's modules layer by layer (runtime layouts, stacks, huge pages) and give back each layer's
     file pages. -> (what restore needs, the parts of a Llama-family step where `step` and the model allow one, which
     their install puts in)."""
     attend_edited = bool(edited({name: REPLACED[name] for name in ATTEND}))
-    originals = [(m, type(m)) for m in products]
+    originals = [(m, type(m), set(vars(m))) for m in products]  # restore drops the attributes the backend adds
     for m in products:
         m.__class__ = PRODUCTS[type(m)]
     if not attend_edited:  # else attention runs model.py's code, and the products are still served
         for layer in transformer.layers:
-            originals.append((layer.attention, model.Attention))
+            originals.append((layer.attention, model.Attention, set(vars(layer.attention))))
             layer.attention.__class__ = Attention
     stacked = step and one_call_possible(transformer, set(products))
     pages, step_products = HugePages(), []
@@ -79,9 +76,9 @@ def restore(transformer, originals, parts=None):
     """Put the model back on model.py's modules (the weights stay where the backend copied them)."""
     if parts is not None:
         parts.remove()
-    for module, kind in originals:
+    for module, kind, attributes in originals:
         if isinstance(module, Linear):
             module.restore_weight()
         module.__class__ = kind
-        for name in RUNTIME:
-            module.__dict__.pop(name, None)
+        for name in set(vars(module)) - attributes:
+            del module.__dict__[name]

@@ -54,7 +54,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert_checkpoint import to_hf_model  # noqa: E402
+from hf_export import to_hf_model  # noqa: E402
 import quantize  # noqa: E402
 from checkpoint import InputError, OneLineErrors, read_model_args, resolve_checkpoint  # noqa: E402
 import backend  # noqa: E402

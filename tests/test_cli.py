@@ -99,7 +99,7 @@ def test_convert_never_writes_over_its_source_or_a_directory_it_did_not_write(ti
     source = tmp_path / "hf"
     hf.save_pretrained(source)
     (source / "tokenizer.json").write_text((converted / "tokenizer.json").read_text())
-    the_work_is_never_reached(monkeypatch, (convert_checkpoint, "convert_hf"), (convert_checkpoint, "convert_gguf"))
+    the_work_is_never_reached(monkeypatch, (convert_checkpoint, "read_hf"), (convert_checkpoint, "read_gguf"))
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")

@@ -196,6 +196,26 @@ def test_a_request_s_plan_is_made_once(tiny, monkeypatch):
     assert len(made) == 1, made
 
 
+def test_each_checkpoint_is_resolved_and_its_config_read_once(tiny, monkeypatch):
+    """The target's and the draft's paths are resolved and their config.json read once a request (generate.py's
+    checks, the tokenizers' special ids included), and loading takes what they read: with the draft's int8 copy
+    written and loaded, two reads of config.json in all (eight before)."""
+    import pathlib
+    ckpt, _ = tiny("llama_gqa_tied")
+    read = []
+
+    def counted(path, *args, **kwargs):
+        if path.name == "config.json":
+            read.append(str(path))
+        return read_text(path, *args, **kwargs)
+    read_text = pathlib.Path.read_text
+    monkeypatch.setattr(pathlib.Path, "read_text", counted)
+    result = cli("--checkpoint_path", str(ckpt), "--prompt", "hello", "--max_new_tokens", "8", "--draft_checkpoint",
+                 str(ckpt), "--draft_quantize", "int8", "--speculate_k", "3", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert len(read) == 2, read  # the target's, the draft's
+
+
 def assert_one_line_error(result, *fragments):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr

@@ -17,7 +17,8 @@ import pytest
 from prompts import humaneval_tasks
 from tokenizer import TextStream, Tokenizer
 
-from convert_checkpoint import LLAMA3_SPLIT, PRE_TOKENIZERS, convert, gguf_reader, gguf_tokenizer  # noqa: E402
+from convert_checkpoint import convert  # noqa: E402
+from gguf_import import LLAMA3_SPLIT, PRE_TOKENIZERS, gguf_reader, gguf_tokenizer  # noqa: E402
 
 # Digit runs, contractions in both cases, unicode, whitespace runs, code, special tokens.
 TEXTS = ["Hello world", "I'LL pay 1234567 for it, we'Re told; THEY'VE 12 and 9876543210 of them'd", "don't\n'd 's 'S",

@@ -125,3 +125,24 @@ def test_the_longest_verify_is_defined_once():
                         and not isinstance(node.value.value, bool):
                     found.append(f"{path.relative_to(ROOT)}: {name} = {node.value.value}")
     assert found == ["backend.py: LONGEST_VERIFY = 17"], found
+
+
+def test_a_format_is_its_class_its_kernels_and_its_tests():
+    """Adding a weight format touches its class (quantize.py), its kernels (cpu/modules.py and few_rows, gpu.py) and
+    its tests: no other module of the library names a format's class, and none but quantize.py (and mx.py, the MX
+    element formats) a mode's name (what
+    the backends ask of a format, its runtime operands, whether it rounds inputs, the math it replaces, its
+    in_features, is declared by its classes)."""
+    import ast
+    classes = {"Int8Linear", "Int4Linear", "MXLinear", "MX_MODES"}
+    modes = {"int8", "int4", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8"}
+    kernels = {"quantize.py", "cpu/modules.py", "gpu.py"}
+    found = []
+    for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("cpu/*.py")):
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            words = {getattr(node, "attr", None), getattr(node, "id", None)} & classes if name not in kernels else set()
+            if isinstance(node, ast.Constant) and node.value in modes and name not in ("quantize.py", "mx.py"):
+                words.add(node.value)
+            found += [f"{name}: {w}" for w in sorted(words)]
+    assert found == ['loading.py: int4'], found  # a draft's default form: int4 where a backend serves it

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 import quantize
+import ranks
 import tp
 from prompts import humaneval_tasks
 from checkpoint import InputError, map_safetensors
@@ -213,5 +214,5 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
         pytest.skip(f"this host has {gpus} GPUs")
     with pytest.raises(InputError, match=rf"^2 processes on this host \(torchrun --nproc_per_node\) but {gpus} GPUs; "
                                          rf"launch at most {gpus}, one per GPU$"):
-        tp.init_from_env("cuda")
+        ranks.init_from_env("cuda")
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import tp  # noqa: E402
+import ranks  # noqa: E402
 from backend import report  # noqa: E402
 from decoding import Steps, generate  # noqa: E402
 from loading import load_model  # noqa: E402
@@ -41,10 +41,10 @@ def run_cases(cases, group=None):
 
 
 if __name__ == "__main__":
-    group, _ = tp.init_from_env("cpu")
+    group, _ = ranks.init_from_env("cpu")
     results = run_cases(json.loads(Path(sys.argv[1]).read_text()), group)
-    if tp.is_rank0():
+    if ranks.is_rank0():
         part = Path(sys.argv[2] + ".tmp")
         part.write_text(json.dumps(results))
         os.replace(part, sys.argv[2])
-    tp.finish()
+    ranks.finish()

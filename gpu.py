@@ -1,31 +1,136 @@
-"""The CUDA backend: int4 layers on aten's tinygemm kernel, applied around model.py by loading.load_model (backend
-"auto" on a CUDA device), as tp.apply_tp is. (Named gpu.py: a module named cuda would shadow NVIDIA's cuda package,
-which torch imports.) Results on hardware: docs/cuda.md.
+"""The CUDA backend, applied around model.py by loading.load_model (backend "auto" on a CUDA device), as tp.apply_tp
+is. (Named gpu.py: a module named cuda would shadow NVIDIA's cuda package, which torch imports.) Results on
+hardware: docs/cuda.md.
 
-int8 and MX layers need no backend on CUDA: their reference forwards run inside the compiled step (int8 in the
-gpt-fast form, the codes cast inside the product). Int4Linear's on-disk layout is tinygemm's arithmetic, w = (q - 8) *
-scale + zero per group with scales_and_zeros [K/g, N, 2], so the backend only repacks the codes once at load (two
-codes per byte, the even one in the high nibble, then _convert_weight_to_int4pack) and multiplies with
-_weight_int4pack_mm: the weight is never dequantized. Inputs are rounded as the reference rounds them
-(quantize.round_activations), and each packed layer proves itself against the reference forward before it serves.
+Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. cuBLAS
+does not promise that (it picks kernels by shape), so where Triton imports, every product and attention of a step
+runs on gpu_kernels.py's rows kernels, one tile shape and one order over k for every row count, the weights decoded
+in registers from their file's layout (bf16, int8, int4, MX): a verify's row is a decode's by construction. Each
+module is checked against its reference forward (model.py's, quantize.py's) on random inputs before it serves
+(serve_rows); what does not match, or does not fit, stays on aten with one warning line. They are custom ops with
+fake implementations (torch.library), so the compiled steps with CUDA graphs call them as they are.
+FASTDECODE_CUDA_KERNELS=aten turns them off (to compare; scripts/gpu_check_more.sh).
 
-Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. On CUDA
-that is not given (cuBLAS picks kernels by shape, attention splits by query length), so before the model serves,
-exact_verify_tokens runs one product of each shape and the attention at 1 and up to backend.LONGEST_VERIFY rows, bit
-for bit, and the report says the longest verify that held (backend.Report.max_verify_tokens). The target's steps are
-compiled without coordinate-descent tuning (speculative.compile_options), which would rewrite one-row products only.
+Without Triton (or with them off), int4 layers run on aten's tinygemm kernel: Int4Linear's on-disk layout is
+tinygemm's arithmetic, w = (q - 8) * scale + zero per group with scales_and_zeros [K/g, N, 2], so the codes are
+repacked once at load (_convert_weight_to_int4pack) and multiplied by _weight_int4pack_mm on inputs rounded as the
+reference rounds them; int8 and MX layers run their reference forwards inside the compiled step.
+
+Either way, before the model serves, exact_verify_tokens runs one product of each shape and the attention at 1 and up
+to backend.LONGEST_VERIFY rows, bit for bit, and the report says the longest verify that held
+(backend.Report.max_verify_tokens). The target's steps are compiled without coordinate-descent tuning
+(speculative.compile_options), which would rewrite one-row aten products only.
 """
 import dataclasses
+import os
 
 import torch
 import torch.nn as nn
 
 import backend
+import model
 import mx
 import quantize
 
 TOLERANCE = 0.01  # relative RMS against the reference forward, in bf16
 RUNS_REFERENCE = "int4 layers run quantize.py's reference forward"
+
+
+class RowsLinear(nn.Module):
+    """A product on gpu_kernels.rows_product: the reference module's own tensors (a bf16 weight, or a quantized
+    file's codes and scales, decoded in registers), its inputs rounded as its reference forward rounds them."""
+
+    def __init__(self, ref: nn.Module):
+        super().__init__()
+        import gpu_kernels as kernels
+        self.in_features, self.out_features, self.bias = ref.in_features, ref.out_features, ref.bias
+        self.fmt, self.bits, self.group, self.element, self.levels = kernels.BF16, 16, 0, "", None
+        factors = None
+        if isinstance(ref, quantize.Int8Linear):
+            self.fmt, self.levels, factors = kernels.INT8, quantize.WIDE, ref.scales
+        elif isinstance(ref, quantize.Int4Linear):
+            self.fmt, self.levels, self.group, factors = kernels.INT4, 127, ref.groupsize, ref.scales_and_zeros
+        elif isinstance(ref, quantize.MXLinear):
+            self.fmt, self.bits, self.element, factors = kernels.MX, ref.fmt.bits, ref.fmt.name, ref.scales
+            self.levels = quantize.WIDE if ref.fmt.integer_multiple else None
+        self.register_buffer("weight", ref.weight.detach())
+        self.register_buffer("factors", None if factors is None else factors.detach())
+
+    def forward(self, x):
+        rows = x if self.levels is None else quantize.round_activations(x, self.levels)
+        y = torch.ops.fastdecode.rows_product(rows, self.weight, self.factors, self.fmt, self.bits, self.group,
+                                              self.out_features, self.element)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class RowsAttention(model.Attention):
+    """A step's query rows attend the cache on gpu_kernels.rows_attention, each row alone (a verify attends as decode
+    would); a prompt's rows take model.py's SDPA."""
+
+    def attend(self, q, k, v, mask, input_pos):
+        if input_pos.shape[-1] <= backend.LONGEST_VERIFY:
+            return torch.ops.fastdecode.rows_attention(q, k, v, input_pos)
+        return super().attend(q, k, v, mask, input_pos)
+
+
+def rows_refusal(transformer) -> str | None:
+    """Why the Triton rows kernels cannot serve this model, or None."""
+    try:
+        import gpu_kernels  # noqa: F401 (registers the ops)
+    except ImportError as e:
+        return f"Triton is not importable ({e})"
+    if os.environ.get("FASTDECODE_CUDA_KERNELS") == "aten":
+        return "FASTDECODE_CUDA_KERNELS=aten"
+    if transformer.tok_embeddings.weight.dtype not in (torch.bfloat16, torch.float32):
+        return "they take bf16 or float32 models"
+    head_dim = transformer.args.head_dim
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim {head_dim} is not a power of 2 of at least 16"
+    return None
+
+
+def serve_rows(transformer) -> tuple[int, list[str]]:
+    """Swap every product whose in_features the kernels take (multiples of BLOCK_K) for a RowsLinear and every
+    attention for a RowsAttention, each checked first against its reference (model.py's, quantize.py's) on random
+    inputs, within TOLERANCE. -> (products served, those refused with their error)."""
+    import gpu_kernels
+    weight = transformer.tok_embeddings.weight
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    served, refused = 0, []
+    kinds = (nn.Linear, *quantize.FORMATS.values())
+    for name, ref in [(n, m) for n, m in transformer.named_modules() if type(m) in kinds]:
+        if ref.in_features % gpu_kernels.BLOCK_K:
+            refused.append(f"{name} (in_features {ref.in_features})")
+            continue
+        fast = RowsLinear(ref)
+        x = torch.randn(3, ref.in_features, generator=g, device=weight.device).to(weight.dtype)
+        with torch.no_grad():
+            error = relative_error(ref(x), fast(x))
+        if error <= TOLERANCE:
+            parent_name, _, child_name = name.rpartition(".")
+            setattr(transformer.get_submodule(parent_name), child_name, fast)
+            served += 1
+        else:
+            refused.append(f"{name} ({error:.1e})")
+    attention = transformer.layers[0].attention
+    hd, kv, groups = transformer.args.head_dim, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads
+    q, k, v = (torch.randn(1, kv, n, hd, generator=g, device=weight.device).to(weight.dtype)
+               for n in (groups * 3, 40, 40))
+    positions = torch.tensor([[20, 21, 22]], device=weight.device)
+    mask = (torch.arange(40, device=weight.device) <= positions[:, None, :, None]).repeat(1, 1, groups, 1)
+    with torch.no_grad():
+        error = relative_error(model.Attention.attend(attention, q, k, v, mask, positions),
+                               torch.ops.fastdecode.rows_attention(q, k, v, positions))
+    if error <= TOLERANCE and type(attention) is model.Attention:
+        for layer in transformer.layers:
+            layer.attention.__class__ = RowsAttention
+    else:
+        refused.append(f"attention ({error:.1e})")
+    return served, refused
+
+
+def relative_error(want, got) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 class TinyGemmInt4Linear(nn.Module):
@@ -62,11 +167,22 @@ def refusal(model, int4) -> str | None:
 
 
 def apply(model) -> backend.Report:
-    """Swap the int4 layers of a CUDA model for tinygemm ones, each checked against its reference forward on random
-    inputs before it replaces it (the reference is dropped as it goes: no second copy of the model at the peak);
-    where tinygemm cannot run, or a layer does not match, the reference serves, with one warning line. Then the
-    rows check (exact_verify_tokens) sets the longest verify it serves exactly."""
-    report = try_to_serve(model)
+    """Serve a CUDA model's products and attention on the Triton rows kernels (serve_rows), or without them its int4
+    layers on tinygemm (try_to_serve): each module checked against its reference forward on random inputs before it
+    replaces it (the reference is dropped as it goes: no second copy of the model at the peak); where one cannot run
+    or does not match, the reference serves, with one warning line. Then the rows check (exact_verify_tokens) sets
+    the longest verify it serves exactly."""
+    served, refused = serve_rows(model) if rows_refusal(model) is None else (0, [])
+    if served:
+        if refused:
+            backend.warn("CUDA", f"{len(refused)} products or attention stay on aten: {', '.join(refused[:3])}",
+                         "the rest run on the Triton rows kernels")
+        report = backend.Report(name="cuda", serves=f"Triton rows kernels: {served} products"
+                                + ("" if any(r.startswith("attention") for r in refused) else " and attention"),
+                                step_bytes=backend.step_bytes(model), held_bytes=backend.held_bytes(model),
+                                fallback=f"{len(refused)} on aten" if refused else None)
+    else:
+        report = try_to_serve(model)
     rows, difference = exact_verify_tokens(model)
     if rows < 2:
         backend.warn("CUDA", f"a verify does not compute its rows as a decode step does ({difference})",
@@ -77,7 +193,8 @@ def apply(model) -> backend.Report:
 
 def in_features(m) -> int | None:
     """A product module's inputs (None: not a product)."""
-    return m.in_features if isinstance(m, (nn.Linear, TinyGemmInt4Linear, *quantize.FORMATS.values())) else None
+    return m.in_features if isinstance(m, (nn.Linear, RowsLinear, TinyGemmInt4Linear, *quantize.FORMATS.values())) \
+        else None
 
 
 def products(model) -> dict:

@@ -10,7 +10,7 @@ directory), gguf_import.py (a .gguf file); hf_export.py goes back to `transforme
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import cli  # noqa: E402
 
 if __name__ == "__main__":

@@ -150,6 +150,34 @@ def test_greedy_speculation_equals_plain_greedy():
                 assert stats["alpha"] > 0.5, stats  # its own int8 copy: most drafts accepted
 
 
+def test_the_triton_rows_kernels_serve_every_mode_exactly():
+    """gpu.py serves every product and attention on gpu_kernels.py's rows kernels where Triton imports (each checked
+    against its reference first), and every row of a 17-row verify is that row alone, bit for bit, in every mode:
+    exact by construction, not by the GPU's luck."""
+    if not ON_CUDA:
+        raise Skip("the Triton kernels run on CUDA (tests/gpu_kernels_checks.py runs them in Triton's interpreter)")
+    from backend import LONGEST_VERIFY, report
+    served = {}
+    for mode in (None, "int8", "int4", "mxfp6", "mxfp4"):
+        r = report(on_device(mode))
+        served[mode or "bf16"] = (r.serves, r.max_verify_tokens, r.fallback)
+    assert all(s.startswith("Triton rows kernels") and "attention" in s and rows == LONGEST_VERIFY and not fallback
+               for s, rows, fallback in served.values()), served
+
+
+def test_greedy_speculation_is_exact_in_every_mode():
+    """Each quantized target (its own model) speculates its own plain greedy tokens at K = 7 (n-gram drafts: the
+    verify's rows are what is checked, not a draft; the rows check covers 1 to 17 rows of each product)."""
+    steps = Steps(compile=True, device=DEVICE)
+    prompt = prompts()[0]
+    for mode in ("int8", "int4", "mxfp6"):
+        torch.compiler.reset()
+        target = on_device(mode)
+        plain = generate(target, [prompt], NEW, steps)[0][0]
+        rows, _ = generate(target, [prompt], NEW, steps, drafter=NgramDrafter(), speculate_k=7)
+        assert rows[0] == plain, mode
+
+
 def test_each_mode_compiled_matches_the_float_reference():
     """Logits of a 16-token prefill and one decode token, compiled on the device in bf16, against the same quantized
     model in float32 on the CPU: relative RMS below 3% (bf16 rounding: 1.6-1.9% eager on the CPU), 6% for int4, whose

@@ -1,0 +1,171 @@
+"""Triton kernels for the rows of a decode, draft or verify step on CUDA (1 to backend.LONGEST_VERIFY rows), exact by
+construction: every row is computed with the same tile shape and the same order over k whatever the number of rows,
+so a verify's row is a decode's row bit for bit (cuBLAS picks its kernel by shape, and a row of 8 need not round as
+a row alone does). The weights are decoded in registers, never copied dequantized to memory. gpu.py serves them.
+
+- `rows_product`: y [M, N] = x [M, K] @ W^T for bf16, int8 (per channel), int4 (groupwise, quantize.py's file
+  layout) and MX (4, 6 and 8-bit codes as mx.pack packs them, E8M0 scales) weights: the rows in tiles of
+  BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in BLOCK_K steps from 0.
+  Each weight is decoded as quantize.py's reference decodes it (to float32, then the input's dtype), and multiplied
+  by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them (round_activations).
+- `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots from slot 0
+  (a split of the keys fixed by the cache, not by the number of rows), with an online softmax in float32.
+
+Run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported): how
+tests/test_gpu_kernels.py checks them without a GPU.
+"""
+import torch
+import triton
+import triton.language as tl
+
+import mx
+
+BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S = 16, 32, 64, 64
+BF16, INT8, INT4, MX = 0, 1, 2, 3  # how a kernel decodes its weight (FORMAT)
+
+
+@triton.jit
+def rounded(v, dtype: tl.constexpr):
+    """float32 v in dtype, bf16 rounded to nearest even by its bits (as on the GPU; Triton's interpreter truncates)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit(do_not_specialize=["M"])  # a specialization for M == 1 would be another kernel for a decode
+def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, M, N, K, group,
+                   FORMAT: tl.constexpr, BITS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
+        at = cols[None, :] * K + ks[:, None]  # element (k, n) of W^T: [BLOCK_K, BLOCK_N]
+        if FORMAT == 0:
+            w = tl.load(w_ptr + at, mask=col_ok[None, :], other=0.0)
+        elif FORMAT == 1:
+            w = tl.load(w_ptr + at, mask=col_ok[None, :], other=0).to(tl.float32).to(x.dtype)
+        elif FORMAT == 2:  # two codes a byte, element 2i in the low nibble; (scale, zero) [K / group, N, 2]
+            byte = tl.load(w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=col_ok[None, :], other=0)
+            code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 15
+            at_group = ((ks[:, None] // group) * N + cols[None, :]) * 2
+            scale = tl.load(factors_ptr + at_group, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            zero = tl.load(factors_ptr + at_group + 1, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            w = rounded((code.to(tl.float32) - 8.0) * scale + zero, x.dtype)
+        else:  # codes packed LSB first, code k at bit k * BITS of its row; an E8M0 scale per 32
+            bit = ks[:, None] * BITS
+            row_bytes = K * BITS // 8
+            low = tl.load(w_ptr + cols[None, :] * row_bytes + bit // 8, mask=col_ok[None, :], other=0).to(tl.int32)
+            if BITS == 6:  # a code may straddle two bytes
+                high = tl.load(w_ptr + cols[None, :] * row_bytes + bit // 8 + 1,
+                               mask=col_ok[None, :] & (bit // 8 + 1 < row_bytes), other=0).to(tl.int32)
+                low = low | (high << 8)
+            code = (low >> (bit % 8)) & ((1 << BITS) - 1)
+            e8m0 = tl.load(factors_ptr + cols[None, :] * (K // 32) + ks[:, None] // 32, mask=col_ok[None, :],
+                           other=127)
+            w = rounded(tl.load(table_ptr + code) * tl.load(scales_ptr + e8m0.to(tl.int32)), x.dtype)
+        # float32 operands: a bf16 value is exact in tf32, so the products are the bf16 ones (and Triton's
+        # interpreter multiplies bf16 operands wrongly); float32 models multiply in full float32 ("ieee")
+        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+    y = rounded(acc, out_ptr.dtype.element_ty)
+    if FORMAT == 1:  # the reference: (x @ codes) in the input's dtype, times the scales in it
+        scale = tl.load(factors_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = rounded(y.to(tl.float32) * scale[None, :], out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, T, R, S, heads, scale, D: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
+    r, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pos = tl.load(pos_ptr + b * T + r % T)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + ((b * heads + h) * R + r) * D + d).to(tl.float32)
+    cache = (b * heads + h) * S * D
+    best = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, pos + 1, BLOCK_S):
+        slots = s0 + tl.arange(0, BLOCK_S)
+        seen = slots <= pos
+        k = tl.load(k_ptr + cache + slots[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        score = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+        new_best = tl.maximum(best, tl.max(score, 0))
+        p = tl.exp(score - new_best)
+        kept = tl.exp(best - new_best)
+        v = tl.load(v_ptr + cache + slots[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        total = total * kept + tl.sum(p, 0)
+        acc = acc * kept + tl.sum(p[:, None] * v, 0)
+        best = new_best
+    tl.store(out_ptr + ((b * heads + h) * R + r) * D + d, rounded(acc / total, out_ptr.dtype.element_ty))
+
+
+tables = {}
+
+
+def mx_tables(fmt: mx.ElementFormat, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of a format's codes and of the 256 E8M0 scales, float32 (what mx.dequantize multiplies)."""
+    key = (fmt.name, str(device))
+    if key not in tables:
+        codes = torch.arange(1 << fmt.bits, dtype=torch.int32).to(torch.uint8)
+        tables[key] = (mx.decode_elements(codes, fmt).float().to(device),
+                       mx.scale_values(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(device))
+    return tables[key]
+
+
+def rows_product(x, weight, factors=None, fmt=BF16, bits=16, group=0, n=None, element=None):
+    """x [..., K] (already rounded as the reference rounds it) times a weight in its file's layout -> [..., N] in x's
+    dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4 bytes [N, K / 2] with factors =
+    scales_and_zeros [K / group, N, 2]; MX codes [N, K * bits / 8] with factors = E8M0 scales [N, K / 32] and
+    element its mx.ElementFormat."""
+    k = x.shape[-1]
+    n = weight.shape[0] if n is None else n
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    table, scales = mx_tables(element, x.device) if fmt == MX else (weight, weight)  # (unread but by MX)
+    factors = weight if factors is None else factors
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(rows.shape[0], BLOCK_M))
+    product_kernel[grid](rows, weight, factors, table, scales, out, rows.shape[0], n, k, group, FORMAT=fmt, BITS=bits,
+                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M,
+                         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out.view(*x.shape[:-1], n)
+
+
+def rows_attention(q, k, v, input_pos):
+    """softmax(q k^T / sqrt(D)) v for q [B, H, R, D] (R = G * T query rows of a KV head, row r at position
+    input_pos[b, r % T]) over the cache k, v [B, H, S, D]: each row sees slots 0 .. its position."""
+    b, h, r, d = q.shape
+    t, s = input_pos.shape[-1], k.shape[2]
+    out = torch.empty_like(q)
+    attention_kernel[(r, h, b)](q.contiguous(), k.contiguous(), v.contiguous(), input_pos.contiguous(), out, t, r, s,
+                                h, d ** -0.5, D=d, BLOCK_S=BLOCK_S)
+    return out
+
+
+
+
+# The kernels as custom ops: torch.compile (fullgraph, CUDA graphs) calls them as they are, and traces their shapes
+# through the fake implementations.
+@torch.library.custom_op("fastdecode::rows_product", mutates_args=())
+def rows_product_op(x: torch.Tensor, weight: torch.Tensor, factors: torch.Tensor | None, fmt: int, bits: int,
+                    group: int, n: int, element: str) -> torch.Tensor:
+    return rows_product(x, weight, factors, fmt, bits, group, n, mx.FORMATS[element] if element else None)
+
+
+@rows_product_op.register_fake
+def _(x, weight, factors, fmt, bits, group, n, element):
+    return x.new_empty(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("fastdecode::rows_attention", mutates_args=())
+def rows_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return rows_attention(q, k, v, input_pos)
+
+
+@rows_attention_op.register_fake
+def _(q, k, v, input_pos):
+    return torch.empty_like(q)

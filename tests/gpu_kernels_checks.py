@@ -1,0 +1,126 @@
+"""The CUDA backend's Triton kernels (gpu_kernels.py), run by Triton's interpreter on CPU tensors: each product
+against a float64 reference from its format's definition, every row bit for bit the same at 1, 2, ..., 17 rows,
+attention likewise, and a tiny model served by gpu.py's modules against model.py in float32. The interpreter checks
+indexing, decoding and row invariance, not a GPU's bits: scripts/gpu_check.sh runs tests/test_cuda.py on one.
+
+Triton reads TRITON_INTERPRET when it is first imported (and torch imports it on its own), so these run in a process
+of their own: tests/test_gpu.py starts it.
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/gpu_kernels_checks.py
+"""
+import os
+
+import pytest
+import torch
+
+import backend
+import mx
+import quantize
+from model import ModelArgs, Transformer
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (tests/test_gpu.py does)"
+ROWS = backend.LONGEST_VERIFY
+K, N = 128, 80  # N not a multiple of the 32-column tile: its masked edge is checked too
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    import gpu_kernels
+    return gpu_kernels
+
+
+def quantized(mode, w):
+    module = quantize.FORMATS[mode].empty(mode, w.shape[1], w.shape[0], False, 32)
+    module.load_state_dict(quantize.quantize_tensor(mode, w, 32, "rceil" if mode.startswith("mx") else None),
+                           assign=True)
+    return module
+
+
+def definition(mode, module, x):
+    """float64: the inputs rounded as the format rounds them, times the weight its definition gives (each weight
+    in the input's dtype, as the reference forward multiplies it), int8's scales after the product."""
+    if mode == "bf16":
+        return x.double() @ module.double().T
+    levels = 127 if mode == "int4" else quantize.WIDE
+    if mode.startswith("mx") and not module.fmt.integer_multiple:
+        levels = None
+    rows = x if levels is None else quantize.round_activations(x, levels)
+    if mode == "int8":
+        return (rows.double() @ module.weight.double().T) * module.scales.double()
+    if mode == "int4":
+        scales, zeros = (t.double().T.repeat_interleave(32, 1) for t in module.scales_and_zeros.unbind(-1))
+        weight = (mx.unpack(module.weight, 4).double() - 8) * scales + zeros
+    else:
+        weight = mx.dequantize(mx.unpack(module.weight, module.fmt.bits), module.scales, module.fmt).double()
+    return rows.double() @ weight.to(x.dtype).double().T
+
+
+def product(kernels, mode, module, x):
+    from gpu import RowsLinear
+    if mode == "bf16":
+        return kernels.rows_product(x, module)
+    return RowsLinear(module)(x)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "mxfp6", "mxfp4", "mxfp8", "mxfp6_e3m2"])
+def test_a_product_is_its_format_s_definition_and_each_row_is_computed_alone(kernels, mode):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g) * 0.1
+    x = torch.randn(ROWS, K, generator=g).bfloat16()
+    module = w.bfloat16() if mode == "bf16" else quantized(mode, w)
+    together = product(kernels, mode, module, x)
+    want = definition(mode, module, x)
+    # float32 sums of exact products, then one rounding to bf16: within 2 bf16 ulps of the exact result
+    assert ((together.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all(), (together.double() - want).abs().max()
+    for n in range(1, ROWS + 1):
+        assert torch.equal(product(kernels, mode, module, x[:n]), together[:n]), n
+    assert torch.equal(product(kernels, mode, module, x[ROWS - 1:]), together[ROWS - 1:])
+
+
+def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed_alone(kernels):
+    g = torch.Generator().manual_seed(1)
+    batch, kv, groups, hd, slots = 2, 2, 3, 32, 150  # 150 slots: three key blocks, the last one partial
+    q = torch.randn(batch, kv, groups * ROWS, hd, generator=g).bfloat16()
+    k, v = (torch.randn(batch, kv, slots, hd, generator=g).bfloat16() for _ in range(2))
+    start = torch.tensor([[100], [5]])
+
+    def attend(first, n):  # query tokens first .. first + n - 1 of each group
+        rows = q.view(batch, kv, groups, ROWS, hd)[:, :, :, first:first + n].reshape(batch, kv, groups * n, hd)
+        out = kernels.rows_attention(rows, k, v, start + first + torch.arange(n))
+        return out.view(batch, kv, groups, n, hd)
+    together = attend(0, ROWS)
+    positions = start + torch.arange(ROWS)
+    seen = torch.arange(slots) <= positions[:, None, :, None]  # [B, 1, T, S]
+    scores = (q.double().view(batch, kv, groups, ROWS, hd) @ k.double()[:, :, None].transpose(-1, -2)) / hd ** 0.5
+    scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
+    want = scores.softmax(-1) @ v.double()[:, :, None]
+    assert ((together.double() - want).abs() <= 2 ** -7 * want.abs() + 2 ** -9).all()
+    for n in (1, 2, 7, ROWS):
+        assert torch.equal(attend(0, n), together[:, :, :, :n]), n
+    assert torch.equal(attend(ROWS - 1, 1), together[:, :, :, ROWS - 1:])
+
+
+@pytest.mark.parametrize("mode", [None, "int4"])
+def test_a_tiny_model_served_by_the_kernels_is_model_py_and_verifies_exactly(kernels, mode):
+    """float32: the served model's logits within 1e-5 of model.py's; gpu.exact_verify_tokens finds every row of a
+    17-row step equal to the row alone, bit for bit, through every product and attention."""
+    import gpu
+    args = ModelArgs(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=192,
+                     max_seq_len=64)
+    torch.manual_seed(0)
+    reference = Transformer(args)
+    if mode:
+        quantize.quantize_model(reference, mode)
+    reference.setup_caches(1, 64)
+    served = Transformer(args) if not mode else quantize.quantize_model(Transformer(args), mode)
+    served.load_state_dict(reference.state_dict())
+    served.setup_caches(1, 64)
+    products, refused = gpu.serve_rows(served)
+    assert refused == [] and products == 2 * 7 + 1 and type(served.layers[0].attention) is gpu.RowsAttention
+    tokens = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for model_ in (reference, served):
+            model_(tokens[:, :5], torch.arange(5)[None])  # a prompt: model.py's SDPA in both
+        want, got = (m(tokens[:, 5:], torch.arange(5, 9)[None]) for m in (reference, served))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert gpu.exact_verify_tokens(served) == (ROWS, "")

@@ -124,3 +124,23 @@ def test_a_tiny_model_served_by_the_kernels_is_model_py_and_verifies_exactly(ker
         want, got = (m(tokens[:, 5:], torch.arange(5, 9)[None]) for m in (reference, served))
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert gpu.exact_verify_tokens(served) == (ROWS, "")
+
+
+def test_compiled_with_the_kernels_a_verify_s_rows_are_decode_steps_bit_for_bit(kernels):
+    """torch.compile(fullgraph=True) traces the kernels as custom ops (their fake implementations) and calls them:
+    an int4 bf16 model's 8-row verify gives the logits of 8 one-row decode steps, bit for bit (Inductor's CPU code
+    around the ops here; CUDA graphs on a GPU: tests/test_cuda.py)."""
+    import gpu
+    args = ModelArgs(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=192,
+                     max_seq_len=64)
+    torch.manual_seed(0)
+    served = quantize.quantize_model(Transformer(args), "int4").bfloat16()
+    served.setup_caches(1, 64)
+    assert gpu.serve_rows(served) == (15, [])
+    step = torch.compile(served, fullgraph=True, dynamic=False)
+    tokens = torch.randint(0, 128, (1, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        served(tokens[:, :5], torch.arange(5)[None])
+        verify = step(tokens[:, 5:], torch.arange(5, 13)[None])
+        decodes = torch.cat([step(tokens[:, i:i + 1], torch.tensor([[i]])) for i in range(5, 13)], 1)
+    assert torch.equal(verify, decodes)

@@ -137,7 +137,7 @@ class Int4Linear(nn.Module):
 
     def dequantize(self, rows=slice(None)):
         """The float32 weight (of these rows)."""
-        scales, zeros = (t.float().T[rows, :, None] for t in self.scales_and_zeros.unbind(-1))  # [n, K/g, 1]
+        scales, zeros = (t[:, rows].T.float()[:, :, None] for t in self.scales_and_zeros.unbind(-1))  # [n, K/g, 1]
         codes = mx.unpack(self.weight[rows], 4).float().sub_(8).unflatten(-1, (-1, self.groupsize))
         return codes.mul_(scales).add_(zeros).flatten(-2)
 

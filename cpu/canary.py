@@ -1,5 +1,6 @@
 """The canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three ways: by model.py in
-PyTorch before the backend serves; by model.py's forward around the backend's products and attention; and by the
+PyTorch before the backend serves (decode and verify as one forward of 6 tokens a row: the same math, one decode of
+every quantized weight fewer); by model.py's forward around the backend's products and attention; and by the
 backend's step (a Llama-family step is one C++ call that re-implements model.py's forward around them). The last two
 must give the same logits and cache entries bit for bit in bf16, where the one-call step rounds as eager PyTorch does
 (within ONE_CALL_FP32 in float32, TOLERANCE where products round their inputs): that is where a fork's change to
@@ -26,9 +27,11 @@ def caches(transformer):
                                                         layer.attention.kv_cache.v_cache)]
 
 
-def canary(transformer, run, state, verify=True):
+def canary(transformer, run, state, verify=True, together=False):
     """From the cache `state`: a decode (2 rows at positions 12 and 7), then a verify (2 x 5 rows), run by
-    run(tokens, positions); their logits and the cache entries they wrote (without `verify`: the decode's logits)."""
+    run(tokens, positions); their logits and the cache entries they wrote (without `verify`: the decode's logits).
+    `together`: both as one forward of 6 tokens a row, the same math (each row sees the slots up to its position),
+    for model.py's reference, whose quantized forwards decode every weight at each call."""
     for cache, saved in zip(caches(transformer), state):
         cache.copy_(saved)
     g = torch.Generator().manual_seed(0)
@@ -37,8 +40,11 @@ def canary(transformer, run, state, verify=True):
     with torch.no_grad():
         if not verify:
             return [run(*decode)]
-        logits = [run(*decode), run(*verifying)]
-    return logits + [t.clone() for t in caches(transformer)]
+        if together:
+            logits = run(*(torch.cat(parts, 1) for parts in zip(decode, verifying))).split([1, 5], 1)
+        else:
+            logits = [run(*decode), run(*verifying)]
+    return list(logits) + [t.clone() for t in caches(transformer)]
 
 
 def largest(expected, got) -> float:
@@ -77,18 +83,34 @@ def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) ->
     backend's step: the one-call step, or where `edits` names functions of model.py a fork edited, a call per module
     that it left unedited). -> (None where the backend serves, else why not, with the model put back on model.py's
     modules; True where that step serves, else why it does not: where it differs from the forward around the same
-    kernels, steps run that forward instead)."""
+    kernels, steps run that forward instead). The model's noise floor is measured only where the backend is past
+    TOLERANCE (the model put back on model.py's modules for it, then served again)."""
     transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
     with torch.no_grad():
         prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
         transformer(prompt, torch.arange(12).expand(2, 12), torch.tensor([[11], [11]]))
     state = [t.clone() for t in caches(transformer)]
-    expected = canary(transformer, transformer, state)
-    tolerance = max(TOLERANCE, 2 * noise_floor(transformer, state, expected))
+    expected = canary(transformer, transformer, state, together=True)
+    originals, parts, around, step = serve_and_step(transformer, products, mapped, phases, edits, state)
+    off = rms(expected, around)
+    if off > TOLERANCE:
+        restore(transformer, originals, parts)
+        tolerance = max(TOLERANCE, 2 * noise_floor(transformer, state, expected))
+        if off > tolerance:
+            return (f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits "
+                    f"(bound {tolerance:.3g})"), False
+        originals, parts, around, step = serve_and_step(transformer, products, mapped, phases, edits, state)
+    return None, step
+
+
+def serve_and_step(transformer, products, mapped, phases, edits, state):
+    """Serve the model, run the canary around the kernels and through the backend's step (kept where it gives what
+    model.py's forward around the same kernels gives). -> (what restore needs, the canary around the kernels, True
+    or why the step does not serve)."""
     release_file_pages(mapped.values())  # serve reads each layer again, and gives its pages back after
     start = time.perf_counter()
     originals, parts = serve(transformer, products, mapped)
-    phases["serve"] = time.perf_counter() - start
+    phases["serve"] = phases.get("serve", 0.0) + time.perf_counter() - start
     around = canary(transformer, transformer, state)
     step = parts is not None
     if step:
@@ -106,9 +128,4 @@ def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) ->
             parts.remove()
             step = f"its {'one-call step' if not edits else 'step'} differs from model.py's forward by {off:.3g} " \
                    f"(bound {bound:g})"
-    off = rms(expected, around)
-    if off > tolerance:
-        restore(transformer, originals, parts)
-        return (f"its products and attention differ from PyTorch's by {off:.3g} RMS of the logits "
-                f"(bound {tolerance:.3g})"), False
-    return None, step
+    return originals, parts, around, step

@@ -137,7 +137,7 @@ class Int4Linear(quantize.Int4Linear):
     block's and group's factors (few_rows/columns.h). Every number of rows, a prompt's too: a tile is read once from
     memory for all of them."""
 
-    replaces = {"forward": ("d90a8014854b3f47", "b3a53210"), "dequantize": ("a62c875a7b90c3fb", "d9b348a1")}
+    replaces = {"forward": ("d90a8014854b3f47", "b3a53210"), "dequantize": ("9dd008f30553fd0b", "3bcffc29")}
 
     def rounds_inputs(self):
         return True

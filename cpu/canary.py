@@ -1,6 +1,6 @@
 """The canary: a decode (2 rows) and a verify (2 x 5 rows) from one cache state, run three ways: by model.py in
-PyTorch before the backend serves (decode and verify as one forward of 6 tokens a row: the same math, one decode of
-every quantized weight fewer); by model.py's forward around the backend's products and attention; and by the
+PyTorch before the backend serves (with the prompt that makes the state, as one forward: the same math, in one decode
+of each quantized weight); by model.py's forward around the backend's products and attention; and by the
 backend's step (a Llama-family step is one C++ call that re-implements model.py's forward around them). The last two
 must give the same logits and cache entries bit for bit in bf16, where the one-call step rounds as eager PyTorch does
 (within ONE_CALL_FP32 in float32, TOLERANCE where products round their inputs): that is where a fork's change to
@@ -27,24 +27,41 @@ def caches(transformer):
                                                         layer.attention.kv_cache.v_cache)]
 
 
-def canary(transformer, run, state, verify=True, together=False):
-    """From the cache `state`: a decode (2 rows at positions 12 and 7), then a verify (2 x 5 rows), run by
-    run(tokens, positions); their logits and the cache entries they wrote (without `verify`: the decode's logits).
-    `together`: both as one forward of 6 tokens a row, the same math (each row sees the slots up to its position),
-    for model.py's reference, whose quantized forwards decode every weight at each call."""
-    for cache, saved in zip(caches(transformer), state):
-        cache.copy_(saved)
+def steps():
+    """The canary's decode (2 rows at positions 12 and 7) and verify (2 x 5 rows after them): (tokens, positions)."""
     g = torch.Generator().manual_seed(0)
     decode = (torch.randint(0, TOKENS, (2, 1), generator=g), torch.tensor([[12], [7]]))
     verifying = (torch.randint(0, TOKENS, (2, 5), generator=g), torch.tensor([[13], [8]]) + torch.arange(5))
+    return decode, verifying
+
+
+def canary(transformer, run, state, verify=True):
+    """From the cache `state`: the decode, then the verify (steps()), run by run(tokens, positions); their logits and
+    the cache entries they wrote (without `verify`: the decode's logits)."""
+    for cache, saved in zip(caches(transformer), state):
+        cache.copy_(saved)
+    decode, verifying = steps()
     with torch.no_grad():
         if not verify:
             return [run(*decode)]
-        if together:
-            logits = run(*(torch.cat(parts, 1) for parts in zip(decode, verifying))).split([1, 5], 1)
-        else:
-            logits = [run(*decode), run(*verifying)]
-    return list(logits) + [t.clone() for t in caches(transformer)]
+        logits = [run(*decode), run(*verifying)]
+    return logits + [t.clone() for t in caches(transformer)]
+
+
+def reference(transformer):
+    """model.py's prompt and canary as one forward (its quantized forwards decode every weight at each call): row 0
+    its 12 prompt tokens, then the decode and verify at 12..17; row 1 its first 7, the decode and verify at 7..12, then
+    its last 5 at 13..17, slots its steps never read. -> (the cache state the canary starts from: what each step
+    reads of it is the prompt's, the same math as a prompt then the steps; the canary's logits and cache entries)"""
+    transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
+    prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
+    (decode, at), (verifying, after) = steps()
+    tokens = torch.stack([torch.cat([prompt[0], decode[0], verifying[0]]),
+                          torch.cat([prompt[1, :7], decode[1], verifying[1], prompt[1, 7:]])])
+    with torch.no_grad():  # each token at the position of its index; the steps' logits only
+        logits = transformer(tokens, torch.arange(18).expand(2, 18), torch.cat([at, after], 1))
+    state = [t.clone() for t in caches(transformer)]
+    return state, list(logits.split([1, 5], 1)) + state
 
 
 def largest(expected, got) -> float:
@@ -85,12 +102,7 @@ def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) ->
     modules; True where that step serves, else why it does not: where it differs from the forward around the same
     kernels, steps run that forward instead). The model's noise floor is measured only where the backend is past
     TOLERANCE (the model put back on model.py's modules for it, then served again)."""
-    transformer.setup_caches(2, 32)  # scratch: a request's setup_caches sizes them anew
-    with torch.no_grad():
-        prompt = torch.randint(0, TOKENS, (2, 12), generator=torch.Generator().manual_seed(1))
-        transformer(prompt, torch.arange(12).expand(2, 12), torch.tensor([[11], [11]]))
-    state = [t.clone() for t in caches(transformer)]
-    expected = canary(transformer, transformer, state, together=True)
+    state, expected = reference(transformer)
     originals, parts, around, step = serve_and_step(transformer, products, mapped, phases, edits, state)
     off = rms(expected, around)
     if off > TOLERANCE:

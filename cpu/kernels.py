@@ -183,6 +183,7 @@ def load() -> bool:
         lambda x, weight, factors, table, bias, n: x.new_empty(*x.shape[:-1], n))
     torch.library.register_fake("few_rows::attention_block")(lambda x, *rest: torch.empty_like(x))
     torch.library.register_fake("few_rows::mlp_block")(lambda x, *rest: torch.empty_like(x))
+    torch.library.register_fake("few_rows::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("few_rows::attention_output")(lambda x, *rest: torch.empty_like(x))
     torch.library.register_fake("few_rows::attention_queries")(
         lambda x, positions, cos, sin, qkv, f, t, b, k_cache, v_cache, n_heads, n_kv_heads, norm, eps: x.new_empty(

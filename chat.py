@@ -19,7 +19,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from checkpoint import InputError
+from checkpoint import InputError, read_json_object
 
 
 class ChatTemplate:
@@ -28,14 +28,7 @@ class ChatTemplate:
     def __init__(self, checkpoint_dir):
         checkpoint_dir = Path(checkpoint_dir)
         config_path, jinja_path = checkpoint_dir / "tokenizer_config.json", checkpoint_dir / "chat_template.jinja"
-        config = {}
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, ValueError) as e:
-                raise InputError(f"{config_path}: not readable JSON ({e})") from None
-            if not isinstance(config, dict):
-                raise InputError(f"{config_path}: not a JSON object")
+        config = read_json_object(config_path, "fix or delete it") if config_path.is_file() else {}
         template, self.path = config.get("chat_template"), config_path
         if jinja_path.is_file():
             template, self.path = jinja_path.read_text(), jinja_path

@@ -21,19 +21,23 @@ from cli import InputError, OneLineErrors  # noqa: F401 (re-exported: the librar
 from model import ModelArgs
 
 
+def read_json_object(path, fix: str) -> dict:
+    """A JSON object file as a dict, or one InputError naming the file and `fix`: unreadable, not JSON, not an object."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InputError(f"{path}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not a JSON object but {type(value).__name__}; {fix}")
+    return value
+
+
 def read_config(path) -> dict:
     """config.json as a dict, or one InputError naming the file: missing, not JSON, or not a JSON object."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: not found; convert the model with scripts/convert_checkpoint.py")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e}); re-run scripts/convert_checkpoint.py") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{path}: not a JSON object but {type(config).__name__}; re-run "
-                         "scripts/convert_checkpoint.py")
-    return config
+    return read_json_object(path, "re-run scripts/convert_checkpoint.py")
 
 
 def read_model_args(path) -> ModelArgs:

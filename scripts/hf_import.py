@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from chat import token_text
-from checkpoint import InputError
+from checkpoint import InputError, read_json_object
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 # Our name for each per-layer Hugging Face tensor of the Llama family.
@@ -207,12 +207,7 @@ def read_hf(source: Path):
     config_path = source / "config.json"
     if not config_path.is_file():
         raise InputError(f"{config_path}: not found; --source must be a Hugging Face model directory or a .gguf file")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{config_path}: not readable JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{config_path}: not a JSON object")
+    config = read_json_object(config_path, "--source must be a Hugging Face model directory or a .gguf file")
     args = hf_model_args(config, config_path)
     weights = from_hf_state_dict(read_hf_weights(source), args)
     tokenizer_files = [source / n for n in ("tokenizer.json", "tokenizer.model") if (source / n).is_file()]

@@ -22,7 +22,7 @@ from cpu import kernels
 from cpu.canary import check_and_serve
 from cpu.gate import ATTEND, ONE_CALL, REPLACED, edited, one_call_possible, served, unsupported
 from cpu.modules import PRODUCTS
-from cpu.one_call import model_py_parts
+from cpu.one_call import model_py_parts, only_the_mlp
 from cpu.serving import serve, served_report
 from cpu.verdicts import remember, remembered, verdict_key
 
@@ -70,8 +70,9 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
         name, why = changed[0]
         parts = model_py_parts(edits) if step else "attention"
         warn(f"{name} is not the math its {'kernels implement' if name in ATTEND else 'one-call step implements'}: "
-             f"{why}", "steps run model.py's forward" + (f", its {parts} as model.py's code" if parts else "")
-             + ", the rest in few_rows.cpp's calls")
+             f"{why}", "each step one few_rows.cpp call that runs model.py's code for the MLP" if step and
+             only_the_mlp(edits) else "steps run model.py's forward" + (f", its {parts} as model.py's code" if parts
+                                                                          else "") + ", the rest in few_rows.cpp's calls")
     start = time.perf_counter()
     key = verdict_key(transformer)
     known = remembered(key)

@@ -2,6 +2,8 @@
 step that runs every layer in C++ (OneCallStep); where a fork edited some of model.py's math, a call per module
 for the modules whose math it left as it was (AttentionBlock, FeedForwardBlock, RMSNormRows), model.py's code for
 the rest (StepParts.install chooses)."""
+import ctypes
+
 import torch
 
 import model
@@ -62,10 +64,11 @@ class OneCallStep:
     that on every model before it serves). Other calls (prompts) take model.py's forward. It replaces ~150 small
     kernels, their Python calls and Dynamo's guards (docs/how-it-works.md has what that saved)."""
 
-    def __init__(self, transformer, products):
+    def __init__(self, transformer, products, mlp=None):
         self.model = transformer
         self.products = products  # per layer: q/k/v stacked, wo, gate/up stacked, w2; then the LM head
         self.made_for, self.step_operands = None, None
+        self.mlp = mlp  # a ModelPyMlp where a fork edited model.FeedForward.forward
 
     def operands(self):
         """What llama_step takes besides tokens and positions, taken anew when setup_caches has reallocated the
@@ -86,8 +89,79 @@ class OneCallStep:
 
     def __call__(self, tokens, input_pos, logits_idx=None):
         if logits_idx is None and tokens.shape[-1] <= STEP_TOKENS:
-            return torch.ops.few_rows.llama_step(tokens.contiguous(), input_pos.contiguous(), *self.operands())
+            if self.mlp is not None:
+                return self.mlp.step(tokens.contiguous(), input_pos.contiguous(), self.operands())
+            return torch.ops.few_rows.llama_step(tokens.contiguous(), input_pos.contiguous(), *self.operands(), 0,
+                                                 None, None, None)
         return model.Transformer.forward(self.model, tokens, input_pos, logits_idx)
+
+
+class ModelPyMlp:
+    """A fork's model.FeedForward.forward inside the one-call step: llama_step calls back into Python for each layer's
+    MLP (a ctypes function: its normed rows in, the module's output out), so the rest of the step stays one C++ call
+    (a call per module from Python cost an edited activation a third of the decode's speed). The step hands over the
+    stacked gate/up product of those rows too: the fork's w1(x) and w3(x) of them return its halves (LookedUp)."""
+
+    def __init__(self, transformer, swapped):
+        self.feed_forwards = [layer.feed_forward for layer in transformer.layers]
+        self.function = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)(self.run)  # kept: C++ holds its address
+        self.address = ctypes.cast(self.function, ctypes.c_void_p).value
+        self.rows = self.gates = self.ups = self.out = self.error = self.given = None
+        for mlp in self.feed_forwards:
+            for half, product in enumerate((mlp.w1, mlp.w3)):
+                swapped.append((product, type(product)))
+                product.__class__, product.looked_up = looked_up(type(product)), (self, half)
+
+    def run(self, layer):
+        try:
+            rows = self.rows[layer]
+            self.given = rows, rows._version, self.gates[layer], self.ups[layer]
+            self.out.copy_(self.feed_forwards[layer](rows))
+            return 0
+        except BaseException as error:  # raised again by step: an exception cannot cross the C++ frames
+            self.error = error
+            return 1
+        finally:
+            self.given = None
+
+    def step(self, tokens, positions, operands):
+        embeddings, weights, layers = operands[0], operands[4], len(self.feed_forwards)
+        rows = embeddings.new_empty(layers, *tokens.shape, embeddings.shape[1])
+        gate_up = embeddings.new_empty(layers, *tokens.shape, outputs(weights[2]))
+        self.rows = rows.unbind()  # views made once a step, not once a layer
+        self.gates, self.ups = (half.unbind() for half in gate_up.chunk(2, -1))
+        self.out = embeddings.new_empty(*tokens.shape, embeddings.shape[1])
+        try:
+            return torch.ops.few_rows.llama_step(tokens, positions, *operands, self.address, rows, gate_up, self.out)
+        except RuntimeError:
+            if self.error is None:
+                raise
+            error, self.error = self.error, None
+            raise error from None
+        finally:
+            self.rows = self.gates = self.ups = self.out = None
+
+
+class LookedUp:
+    """A served w1 or w3 inside ModelPyMlp's call: of the rows the step handed the MLP (as it handed them), its output
+    is the half of the step's stacked product (the same sums); of anything else, its own product."""
+
+    def forward(self, x):
+        mlp, half = self.looked_up
+        given = mlp.given
+        if given is not None and x is given[0] and x._version == given[1]:
+            return given[2 + half]
+        return super().forward(x)
+
+
+looked_up_kinds = {}
+
+
+def looked_up(kind):
+    """LookedUp over a product's class, one per class."""
+    if kind not in looked_up_kinds:
+        looked_up_kinds[kind] = type(f"LookedUp{kind.__name__}", (LookedUp, kind), {})
+    return looked_up_kinds[kind]
 
 
 class Transformer(model.Transformer):
@@ -198,8 +272,13 @@ def model_py_parts(edited: set) -> str:
                                              ("norms", RMSNormRows), ("layers", Halves)) if edited & set(BLOCKS[kind]))
 
 
+def only_the_mlp(edited: set) -> bool:
+    """Whether the one-call step serves these edits, calling model.py's code for the MLP (ModelPyMlp)."""
+    return edited == set(BLOCKS[FeedForwardBlock])
+
+
 # What they add to a module (restore drops it).
-BLOCK_ATTRIBUTES = ("block_operands", "one_call_step")
+BLOCK_ATTRIBUTES = ("block_operands", "one_call_step", "looked_up")
 
 
 class StepParts:
@@ -216,10 +295,15 @@ class StepParts:
         m, head = self.model, self.products[-1]
         self.swapped.append((m, type(m)))
         m.__class__ = Transformer
-        whole = not edited and outputs(head.operands()[0]) == head.weight.shape[0]
-        m.one_call_step = OneCallStep(m, self.products) if whole else None
+        unpadded = outputs(head.operands()[0]) == head.weight.shape[0]
+        whole = not edited and unpadded
+        mlp_only = only_the_mlp(edited) and unpadded
+        m.one_call_step = OneCallStep(m, self.products, ModelPyMlp(m, self.swapped) if mlp_only else None) \
+            if whole or mlp_only else None
         if whole:
             return None
+        if mlp_only:
+            return model_py_parts(edited)
         kept = {kind for kind, functions in BLOCKS.items() if not edited & set(functions)}
         for i, layer in enumerate(m.layers):
             qkv, wo, gate_up, down = self.products[4 * i:4 * i + 4]

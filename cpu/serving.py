@@ -64,9 +64,11 @@ def served_report(transformer, products, model_py=None) -> backend.Report:
     operands = {m: m.operands() for m in products}
     return backend.Report(
         name="cpu", serves=f"few_rows.cpp: {len(products)} products and attention"
-        + (", each step one call" if one_call else ", steps through model.py's forward"
-           + (f" (its {model_py} as model.py's code)" if model_py else "")),
-        one_call_step=one_call, compile_steps=False, sizes_threads=one_call,  # each output summed by one thread
+        + ((", each step one call" + (f" (calling its {model_py} as model.py's code)" if model_py else ""))
+           if one_call else ", steps through model.py's forward" + (f" (its {model_py} as model.py's code)" if model_py
+                                                                    else "")),
+        # each output summed by one thread, where no model.py code runs in the step
+        one_call_step=one_call, compile_steps=False, sizes_threads=one_call and not model_py,
         step_bytes=backend.step_bytes(transformer, {m: (*ops[:2], m.bias) for m, ops in operands.items()}),
         held_bytes=backend.held_bytes(transformer, [t for ops in operands.values() for t in ops]),
         max_verify_tokens=STEP_TOKENS)  # a step of more tokens a row goes to PyTorch's GEMM, which rounds otherwise

@@ -118,30 +118,44 @@ def verify_and_steps(m):
     return verify, steps, tokens
 
 
-def test_a_fork_s_edited_activation_leaves_only_its_mlp_and_stays_exact(smollm2, monkeypatch, capsys):
-    """SmolLM2 in bf16 with model.FeedForward.forward edited (SiLU -> GELU): the backend still serves every product;
-    only the MLP runs as model.py's code (its products few_rows.cpp's), each layer's attention branch is one
-    few_rows.cpp call, and the step is model.py's forward around the kernels bit for bit (the canary checked it);
-    an 8-token verify's logits are 8 decode steps' bit for bit (speculation stays exact). Its speed:
-    scripts/bench_fork.py."""
+def test_a_fork_s_edited_activation_keeps_the_one_call_step_calling_its_mlp(smollm2, monkeypatch, capsys):
+    """SmolLM2 in bf16 with model.FeedForward.forward edited (SiLU -> GELU): the backend still serves every product
+    and each step is still one few_rows.cpp call, which calls the fork's MLP (model.py's code, its products
+    few_rows.cpp's) for each layer; the step is model.py's forward around the kernels bit for bit (the canary checked
+    it); an 8-token verify's logits are 8 decode steps' bit for bit (speculation stays exact); an error in the MLP's
+    code reaches the caller as itself. Its speed: scripts/bench_fork.py."""
     source = inspect.getsource(model.FeedForward.forward)
     monkeypatch.setattr(model.FeedForward, "forward", defined(source.replace(
         "F.silu(self.w1(x))", 'F.gelu(self.w1(x), approximate="tanh")')))
     ckpt, _ = smollm2
     capsys.readouterr()
     m = load_model(ckpt, "cpu", torch.bfloat16)
-    assert "steps run model.py's forward, its MLP as model.py's code" in warnings_in(capsys.readouterr().err)
+    assert "each step one few_rows.cpp call that runs model.py's code for the MLP" in warnings_in(
+        capsys.readouterr().err)
     layer = m.layers[0]
-    assert [type(x) for x in (layer, layer.attention, layer.feed_forward, layer.feed_forward.w1)] == [
-        one_call.Halves, one_call.AttentionBlock, model.FeedForward, modules.Linear]
-    assert backend.report(m).name == "cpu" and not backend.report(m).one_call_step
+    assert [type(x) for x in (layer, layer.attention, layer.feed_forward)] == [
+        model.Block, modules.Attention, model.FeedForward]
+    assert isinstance(layer.feed_forward.w1, modules.Linear) and isinstance(layer.feed_forward.w3, one_call.LookedUp)
+    report = backend.report(m)
+    assert report.name == "cpu" and report.one_call_step and not report.sizes_threads
+    assert "calling its MLP as model.py's code" in report.serves
     verify, steps, tokens = verify_and_steps(m)
     assert torch.equal(verify, steps), (verify.float() - steps.float()).abs().max()
-    for layer in m.layers:
-        layer.__class__ = model.Block  # model.py's Block.forward around the same modules, the last step again
-    with torch.no_grad():
-        around = m(tokens[:, -1:], torch.tensor([[67]]))
+    with torch.no_grad():  # model.py's forward around the same modules, the last step again
+        around = model.Transformer.forward(m, tokens[:, -1:], torch.tensor([[67]]))
     assert torch.equal(around, steps[:, -1:])
+    products = []  # in a step, the fork's w1(x) and w3(x) are the step's stacked product's halves: only w2 runs
+    monkeypatch.setattr(modules.Linear, "forward", lambda self, x: products.append(self) or torch.zeros(
+        *x.shape[:-1], self.weight.shape[0], dtype=x.dtype))
+    with torch.no_grad():
+        m(tokens[:, :1], torch.tensor([[60]]))
+    assert products == [layer.feed_forward.w2 for layer in m.layers]
+
+    def broken(self, x):
+        raise ValueError("a fork's bug")
+    monkeypatch.setattr(model.FeedForward, "forward", broken)
+    with pytest.raises(ValueError, match="a fork's bug"), torch.no_grad():
+        m(tokens[:, :1], torch.tensor([[60]]))
 
 
 def test_stream_read_reads_every_word():

@@ -262,8 +262,28 @@ struct StepOperands {
   Product product(int64_t i) const { return {weights[i], factors.get(i), tables.get(i), biases.get(i)}; }
 };
 
+// A fork's model.FeedForward.forward in the one-call step's place for it (cpu.one_call.ModelPyMlp): the step writes
+// layer l's normed rows to rows[l] [B, S, dim] and their gate/up product (the stacked w1 and w3, as the fork's w1(x)
+// and w3(x) return them) to gate_up[l] [B, S, 2 * I], both in the model's dtype (a layer apiece: what the fork keeps
+// of them stays as it was), calls `call(l)` (a Python function through ctypes; 0 once it has written the MLP's
+// output to `out` [B, S, dim]), and takes `out` as mlp_block's result.
+struct MlpCall {
+  int (*call)(int64_t layer);
+  const at::Tensor& rows;
+  const at::Tensor& gate_up;
+  const at::Tensor& out;
+  template <class T>
+  at::Tensor run(const at::Tensor& h, const Product& gate_up_product, int64_t layer) const {
+    rows.select(0, layer).view(h.sizes()).copy_(h);  // h holds values of the model's dtype: exact
+    gate_up.select(0, layer).view({h.size(0), -1}).copy_(step_product<T>(h, gate_up_product, gate_up.size(-1)));
+    TORCH_CHECK(call(layer) == 0, "few_rows: the MLP's model.py code raised");
+    return out.view(h.sizes()).to(at::kFloat);
+  }
+};
+
 template <class T>
-at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions, const StepOperands& s) {
+at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions, const StepOperands& s,
+                           const MlpCall* mlp) {
   const at::Tensor& embeddings = s.embeddings;
   const int64_t B = tokens.size(0), S = tokens.size(1), R = B * S, dim = embeddings.size(1);
   const int64_t layers = s.k_caches.size();
@@ -281,7 +301,8 @@ at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions
                                             s.k_caches[l], s.v_caches[l], s.n_heads, s.n_kv_heads);
     add_rounded<T>(x.data(), o.data_ptr<float>(), R * dim, x.data());
     rms_norm_rows<T>(x.data(), s.norms[2 * l + 1], s.eps, R, dim, hp);
-    const at::Tensor down = mlp_block<T>(h, s.product(4 * l + 2), s.product(4 * l + 3));
+    const at::Tensor down = mlp ? mlp->run<T>(h, s.product(4 * l + 2), l)
+                                : mlp_block<T>(h, s.product(4 * l + 2), s.product(4 * l + 3));
     add_rounded<T>(x.data(), down.data_ptr<float>(), R * dim, x.data());
   }
   rms_norm_rows<T>(x.data(), s.norms[2 * layers], s.eps, R, dim, hp);
@@ -295,7 +316,9 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
                       const c10::List<std::optional<at::Tensor>>& factors,
                       const c10::List<std::optional<at::Tensor>>& tables,
                       const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
-                      at::TensorList v_caches, int64_t n_heads, int64_t n_kv_heads, double eps) {
+                      at::TensorList v_caches, int64_t n_heads, int64_t n_kv_heads, double eps, int64_t mlp_call,
+                      const std::optional<at::Tensor>& mlp_rows, const std::optional<at::Tensor>& mlp_gate_up,
+                      const std::optional<at::Tensor>& mlp_out) {
   const int64_t layers = k_caches.size();
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
                   positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
@@ -332,9 +355,25 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
                 "few_rows: llama_step's norm weights must be [dim] in the model's dtype");
   const StepOperands operands{embeddings, cos, sin, norms, weights, factors, tables, biases, k_caches, v_caches,
                               n_heads, n_kv_heads, eps};
+  std::optional<MlpCall> mlp;
+  if (mlp_call) {
+    const auto shape = std::vector<int64_t>{B, tokens.size(1), embeddings.size(1)};
+    const auto each = std::vector<int64_t>{layers, B, tokens.size(1), embeddings.size(1)};
+    const auto each_gate_up = std::vector<int64_t>{layers, B, tokens.size(1), outputs(weights[2])};
+    TORCH_CHECK(mlp_rows && mlp_gate_up && mlp_out && mlp_rows->sizes() == each && mlp_out->sizes() == shape &&
+                    mlp_gate_up->sizes() == each_gate_up && mlp_rows->is_contiguous() &&
+                    mlp_gate_up->is_contiguous() && mlp_out->is_contiguous() &&
+                    mlp_rows->scalar_type() == embeddings.scalar_type() &&
+                    mlp_gate_up->scalar_type() == embeddings.scalar_type() &&
+                    mlp_out->scalar_type() == embeddings.scalar_type(),
+                "few_rows: llama_step's MLP call takes contiguous rows and gate_up [layers, B, S, ...] and out "
+                "[B, S, dim] in the model's dtype");
+    mlp.emplace(MlpCall{reinterpret_cast<int (*)(int64_t)>(mlp_call), *mlp_rows, *mlp_gate_up, *mlp_out});
+  }
+  const MlpCall* around = mlp ? &*mlp : nullptr;
   switch (embeddings.scalar_type()) {
-    case at::kBFloat16: return llama_step_rows<c10::BFloat16>(tokens, positions, operands);
-    case at::kFloat: return llama_step_rows<float>(tokens, positions, operands);
+    case at::kBFloat16: return llama_step_rows<c10::BFloat16>(tokens, positions, operands, around);
+    case at::kFloat: return llama_step_rows<float>(tokens, positions, operands, around);
     default:
       TORCH_CHECK(false, "few_rows: llama_step dtype must be bfloat16 or float32, not ", embeddings.scalar_type());
   }

@@ -1,7 +1,8 @@
 """A Llama-family step in one few_rows.cpp call: the products that read one input stacked (q/k/v, gate/up) and the
-step that runs every layer in C++ (OneCallStep); where a fork edited some of model.py's math, a call per module
-for the modules whose math it left as it was (AttentionBlock, FeedForwardBlock, RMSNormRows), model.py's code for
-the rest (StepParts.install chooses)."""
+step that runs every layer in C++ (OneCallStep); where a fork edited only the MLP's math, the same step calling the
+fork's MLP for each layer (ModelPyMlp); where it edited other parts, a call per module for the modules whose math it
+left as it was (AttentionBlock, FeedForwardBlock, RMSNormRows), model.py's code for the rest (StepParts.install
+chooses)."""
 import ctypes
 
 import torch
@@ -114,8 +115,8 @@ class ModelPyMlp:
 
     def run(self, layer):
         try:
-            rows = self.rows[layer]
-            self.given = rows, rows._version, self.gates[layer], self.ups[layer]
+            rows, gate = self.rows[layer], self.gates[layer]
+            self.given = rows, rows._version, gate._version, gate, self.ups[layer]  # the halves share a version
             self.out.copy_(self.feed_forwards[layer](rows))
             return 0
         except BaseException as error:  # raised again by step: an exception cannot cross the C++ frames
@@ -143,14 +144,15 @@ class ModelPyMlp:
 
 
 class LookedUp:
-    """A served w1 or w3 inside ModelPyMlp's call: of the rows the step handed the MLP (as it handed them), its output
-    is the half of the step's stacked product (the same sums); of anything else, its own product."""
+    """A served w1 or w3 inside ModelPyMlp's call: of the rows the step handed the MLP (as it handed them, and while
+    neither half was changed in place), its output is the half of the step's stacked product (the same sums); of
+    anything else, its own product."""
 
     def forward(self, x):
         mlp, half = self.looked_up
         given = mlp.given
-        if given is not None and x is given[0] and x._version == given[1]:
-            return given[2 + half]
+        if given is not None and x is given[0] and x._version == given[1] and given[3]._version == given[2]:
+            return given[3 + half]
         return super().forward(x)
 
 

@@ -150,6 +150,16 @@ def test_a_fork_s_edited_activation_keeps_the_one_call_step_calling_its_mlp(smol
     with torch.no_grad():
         m(tokens[:, :1], torch.tensor([[60]]))
     assert products == [layer.feed_forward.w2 for layer in m.layers]
+    monkeypatch.undo()
+
+    def mutating(self, x):  # changes w1's output in place, then asks for it again: it gets its own product
+        self.w1(x).mul_(2)
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+    monkeypatch.setattr(model.FeedForward, "forward", mutating)
+    with torch.no_grad():
+        step = m(tokens[:, :1], torch.tensor([[60]]))
+        around = model.Transformer.forward(m, tokens[:, :1], torch.tensor([[60]]))
+    assert torch.equal(step, around)
 
     def broken(self, x):
         raise ValueError("a fork's bug")

@@ -69,10 +69,13 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
     if changed:
         name, why = changed[0]
         parts = model_py_parts(edits) if step else "attention"
+        if step and only_the_mlp(edits):
+            steps = "each step one few_rows.cpp call that runs model.py's code for the MLP"
+        else:
+            steps = "steps run model.py's forward" + (f", its {parts} as model.py's code" if parts else "") \
+                + ", the rest in few_rows.cpp's calls"
         warn(f"{name} is not the math its {'kernels implement' if name in ATTEND else 'one-call step implements'}: "
-             f"{why}", "each step one few_rows.cpp call that runs model.py's code for the MLP" if step and
-             only_the_mlp(edits) else "steps run model.py's forward" + (f", its {parts} as model.py's code" if parts
-                                                                          else "") + ", the rest in few_rows.cpp's calls")
+             f"{why}", steps)
     start = time.perf_counter()
     key = verdict_key(transformer)
     known = remembered(key)

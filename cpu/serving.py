@@ -62,11 +62,12 @@ def served_report(transformer, products, model_py=None) -> backend.Report:
     Qwen2.5-Coder mxfp4 target drafted by its 0.5B parted from plain decoding at token 44; eagerly it does not)."""
     one_call = transformer.__dict__.get("one_call_step") is not None
     operands = {m: m.operands() for m in products}
+    if one_call:
+        steps = "each step one call" + (f" (calling its {model_py} as model.py's code)" if model_py else "")
+    else:
+        steps = "steps through model.py's forward" + (f" (its {model_py} as model.py's code)" if model_py else "")
     return backend.Report(
-        name="cpu", serves=f"few_rows.cpp: {len(products)} products and attention"
-        + ((", each step one call" + (f" (calling its {model_py} as model.py's code)" if model_py else ""))
-           if one_call else ", steps through model.py's forward" + (f" (its {model_py} as model.py's code)" if model_py
-                                                                    else "")),
+        name="cpu", serves=f"few_rows.cpp: {len(products)} products and attention, {steps}",
         # each output summed by one thread, where no model.py code runs in the step
         one_call_step=one_call, compile_steps=False, sizes_threads=one_call and not model_py,
         step_bytes=backend.step_bytes(transformer, {m: (*ops[:2], m.bias) for m, ops in operands.items()}),

@@ -30,7 +30,8 @@ class ChatTemplate:
         config_path, jinja_path = checkpoint_dir / "tokenizer_config.json", checkpoint_dir / "chat_template.jinja"
         config = {}
         if config_path.is_file():
-            config = read_json_object(config_path, "fix it, or convert the checkpoint again (scripts/convert_checkpoint.py)")
+            config = read_json_object(config_path, "fix it, or convert the checkpoint again "
+                                                   "(scripts/convert_checkpoint.py)")
         template, self.path = config.get("chat_template"), config_path
         if jinja_path.is_file():
             template, self.path = jinja_path.read_text(), jinja_path

@@ -22,7 +22,8 @@ from model import ModelArgs
 
 
 def read_json_object(path, fix: str) -> dict:
-    """A JSON object file as a dict, or one InputError naming the file and `fix`: unreadable, not JSON, not an object."""
+    """A JSON object file as a dict, or one InputError naming the file and `fix`: unreadable, not JSON, or not an
+    object."""
     try:
         value = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -98,9 +98,10 @@ def noise_floor(transformer, state, expected) -> float:
 def check_and_serve(transformer, products, mapped, phases, edits=frozenset()) -> tuple[str | None, bool | str]:
     """The canary: model.py in PyTorch, then served (model.py's forward around the products and attention, and the
     backend's step: the one-call step, or where `edits` names functions of model.py a fork edited, the one-call step
-    calling the fork's MLP (an edited FeedForward.forward alone) or a call per module that it left unedited). -> (None where the backend serves, else why not, with the model put back on model.py's
-    modules; True where that step serves, else why it does not: where it differs from the forward around the same
-    kernels, steps run that forward instead). The model's noise floor is measured only where the backend is past
+    calling the fork's MLP (an edited FeedForward.forward alone) or a call per module that it left unedited).
+    -> (None where the backend serves, else why not, with the model put back on model.py's modules; True where that
+    step serves, else why it does not: where it differs from the forward around the same kernels, steps run that
+    forward instead). The model's noise floor is measured only where the backend is past
     TOLERANCE (the model put back on model.py's modules for it, then served again)."""
     state, expected = reference(transformer)
     originals, parts, around, step = serve_and_step(transformer, products, mapped, phases, edits, state)

@@ -57,7 +57,7 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("llama_step(Tensor tokens, Tensor positions, Tensor embeddings, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor?[] factors, Tensor?[] tables, Tensor?[] biases, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int n_heads, int n_kv_heads, float eps, int mlp_call, Tensor(c!)? mlp_rows, "
-        "Tensor(d!)? mlp_gate_up, Tensor(e!)? mlp_out) -> Tensor");
+        "Tensor(d!)? mlp_gate_up, Tensor(e!)? mlp_out, Tensor(f!)? mlp_hidden) -> Tensor");
   m.def("attention_block(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor qkv, Tensor? qkv_factors, "
         "Tensor? qkv_table, Tensor? qkv_bias, Tensor wo, Tensor? wo_factors, Tensor? wo_table, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int n_heads, int n_kv_heads, Tensor? norm, float eps) -> Tensor");

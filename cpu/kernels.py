@@ -218,7 +218,7 @@ def product(x, weight, factors=None, table=None):
 def linear(x, weight, factors, table, bias, outputs):
     """A product as a Linear module's forward returns it, in one call: x [..., K] (bf16 or float32) times the weight
     (as product takes it), plus the bias (float32, or None), -> [..., outputs] in x's dtype."""
-    return torch.ops.few_rows.linear(x, weight, factors, table, None if bias is None else bias.float(), outputs)
+    return torch.ops.few_rows.linear(x, weight, factors, table, bias, outputs)
 
 
 # Without native bf16 (AVX2), the CPU runs a 16-bit GEMM several times slower than a float32 one, conversions

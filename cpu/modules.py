@@ -11,6 +11,14 @@ import quantize
 from cpu.kernels import STEP_TOKENS, TILE, linear, many_rows, product, step_rows
 
 
+def read_once(product):
+    """What a prepared product's forward passes few_rows.cpp besides its operands, read once as plain attributes: the
+    bias in float32 and the output features (nn.Module's lookup of a parameter or buffer, cold in a fork's MLP called
+    from the step, cost a few microseconds a product)."""
+    product.float_bias = None if product.bias is None else product.bias.float()
+    product.outputs = product.weight.shape[0]
+
+
 class Linear(nn.Linear):
     """nn.Linear. bf16 weights (in_features a multiple of 32): in column tiles (pair_tiles), every number of rows
     through few_rows.cpp, a prompt's too, each row with the arithmetic it gets alone (a verify computes the logits a
@@ -28,6 +36,7 @@ class Linear(nn.Linear):
             self.tiles = pair_tiles(self.weight.detach())
             if not any(self.weight is t for t in shared):  # a weight made from a float32 file would be held twice
                 self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+        read_once(self)
 
     def restore_weight(self):
         if self.weight.is_meta:
@@ -45,7 +54,7 @@ class Linear(nn.Linear):
     def forward(self, x):
         if self.tiles is not None or step_rows(x):
             weight = self.weight if self.tiles is None else self.tiles
-            return linear(x, weight, None, None, self.bias, self.weight.shape[0])
+            return linear(x, weight, None, None, self.float_bias, self.outputs)
         return many_rows(x, self.weight, self.bias)
 
 
@@ -107,6 +116,7 @@ class Int8Linear(quantize.Int8Linear):
             part = pair_tiles(self.weight[i:i + rows])
             self.tiles[i // 16:i // 16 + part.shape[0]] = part
         self.scale_factors = padded(self.scales.float(), whole_tiles(n)).view(-1, TILE)  # by tiles, as stacked
+        read_once(self)
 
     def operands(self):
         return self.tiles, self.scale_factors, None
@@ -115,7 +125,7 @@ class Int8Linear(quantize.Int8Linear):
         self.tiles, self.scale_factors = tiles, scale_factors
 
     def forward(self, x):
-        return linear(x, self.tiles, self.scale_factors, None, self.bias, self.weight.shape[0])  # x rounded as
+        return linear(x, self.tiles, self.scale_factors, None, self.float_bias, self.outputs)  # x rounded as
         # round_activations(x, WIDE) rounds it
 
 
@@ -149,6 +159,7 @@ class Int4Linear(quantize.Int4Linear):
         for i in range(0, n, rows):
             self.tiles[i // 16:(i + rows) // 16], self.tile_factors[i // 16:(i + rows) // 16] = int4_tiles(
                 mx.unpack(self.weight[i:i + rows], 4), self.scales_and_zeros[:, i:i + rows])
+        read_once(self)
 
     def operands(self):
         return self.tiles, self.tile_factors, None
@@ -157,7 +168,7 @@ class Int4Linear(quantize.Int4Linear):
         self.tiles, self.tile_factors = tiles, tile_factors
 
     def forward(self, x):
-        return linear(x, self.tiles, self.tile_factors, None, self.bias, self.weight.shape[0])  # x rounded as
+        return linear(x, self.tiles, self.tile_factors, None, self.float_bias, self.outputs)  # x rounded as
         # round_activations rounds it
 
 
@@ -227,6 +238,7 @@ class MXLinear(quantize.MXLinear):
             self.table = code_table(self.fmt)
         else:
             self.values, self.block_factors = expand(self.weight, self.scales, self.fmt)
+        read_once(self)
 
     def operands(self):  # tiles and their factors, the packed codes and their scales, or the expanded codes
         if self.tiles is not None:
@@ -245,7 +257,7 @@ class MXLinear(quantize.MXLinear):
 
     def forward(self, x):
         if self.tiles is not None:  # any number of rows; x rounded as round_activations(x, WIDE)
-            return linear(x, self.tiles, self.tile_factors, self.table, self.bias, self.weight.shape[0])
+            return linear(x, self.tiles, self.tile_factors, self.table, self.float_bias, self.outputs)
         if self.table is not None:  # packed codes, 16 rows a call (a prompt's rows: about as fast as int8's GEMM)
             rows = x.reshape(-1, x.shape[-1]).split(16)
             parts = [product(part, self.weight, self.scales, self.table) for part in rows]

@@ -4,6 +4,8 @@ fork's MLP for each layer (ModelPyMlp); where it edited other parts, a call per 
 left as it was (AttentionBlock, FeedForwardBlock, RMSNormRows), model.py's code for the rest (StepParts.install
 chooses)."""
 import ctypes
+import dis
+import sys
 
 import torch
 
@@ -93,7 +95,7 @@ class OneCallStep:
             if self.mlp is not None:
                 return self.mlp.step(tokens.contiguous(), input_pos.contiguous(), self.operands())
             return torch.ops.few_rows.llama_step(tokens.contiguous(), input_pos.contiguous(), *self.operands(), 0,
-                                                 None, None, None)
+                                                 None, None, None, None)
         return model.Transformer.forward(self.model, tokens, input_pos, logits_idx)
 
 
@@ -101,29 +103,43 @@ class ModelPyMlp:
     """A fork's model.FeedForward.forward inside the one-call step: llama_step calls back into Python for each layer's
     MLP (a ctypes function: its normed rows in, the module's output out), so the rest of the step stays one C++ call
     (a call per module from Python cost an edited activation a third of the decode's speed). The step hands over the
-    stacked gate/up product of those rows too: the fork's w1(x) and w3(x) of them return its halves (LookedUp)."""
+    stacked gate/up product of those rows too: the fork's w1(x) and w3(x) of them return its halves (LookedUp); and
+    where the fork's forward returns its w2(h) as it is, the step computes that product (Deferred)."""
 
     def __init__(self, transformer, swapped):
         self.feed_forwards = [layer.feed_forward for layer in transformer.layers]
         self.function = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)(self.run)  # kept: C++ holds its address
         self.address = ctypes.cast(self.function, ctypes.c_void_p).value
-        self.rows = self.gates = self.ups = self.out = self.error = self.given = None
+        self.rows = self.gates = self.ups = self.out = self.hidden = self.error = self.given = self.down = None
+        self.stand_in = torch.empty(0)  # what a Deferred w2 returns: never seen by the fork's code
         for mlp in self.feed_forwards:
             for half, product in enumerate((mlp.w1, mlp.w3)):
                 swapped.append((product, type(product)))
-                product.__class__, product.looked_up = looked_up(type(product)), (self, half)
+                product.__class__, product.looked_up = derived(LookedUp, type(product)), (self, half)
+            if mlp.w2.bias is None:  # the step's w2 has none
+                swapped.append((mlp.w2, type(mlp.w2)))
+                mlp.w2.__class__, mlp.w2.deferred_by = derived(Deferred, type(mlp.w2)), self
+            swapped.append((mlp, type(mlp)))
+            vars(mlp).update(mlp._modules)  # self.w1 found at once, not by nn.Module.__getattr__ (cold: ~2 us each)
 
     def run(self, layer):
         try:
-            rows, gate = self.rows[layer], self.gates[layer]
+            rows, gate, feed_forward = self.rows[layer], self.gates[layer], self.feed_forwards[layer]
             self.given = rows, rows._version, gate._version, gate, self.ups[layer]  # the halves share a version
-            self.out.copy_(self.feed_forwards[layer](rows))
+            if hooked(feed_forward) or getattr(feed_forward, "_compiled_call_impl", None) is not None:
+                self.down, out = None, feed_forward(rows)  # a hook would see Deferred's stand-in
+            else:  # nn.Module's call is then its forward
+                self.down = feed_forward.w2
+                out = feed_forward.forward(rows)
+            if out is self.stand_in:
+                return 2
+            self.out.copy_(out)
             return 0
         except BaseException as error:  # raised again by step: an exception cannot cross the C++ frames
             self.error = error
             return 1
         finally:
-            self.given = None
+            self.given = self.down = None
 
     def step(self, tokens, positions, operands):
         embeddings, weights, layers = operands[0], operands[4], len(self.feed_forwards)
@@ -132,15 +148,17 @@ class ModelPyMlp:
         self.rows = rows.unbind()  # views made once a step, not once a layer
         self.gates, self.ups = (half.unbind() for half in gate_up.chunk(2, -1))
         self.out = embeddings.new_empty(*tokens.shape, embeddings.shape[1])
+        self.hidden = embeddings.new_empty(*tokens.shape, outputs(weights[2]) // 2)
         try:
-            return torch.ops.few_rows.llama_step(tokens, positions, *operands, self.address, rows, gate_up, self.out)
+            return torch.ops.few_rows.llama_step(tokens, positions, *operands, self.address, rows, gate_up, self.out,
+                                                  self.hidden)
         except RuntimeError:
             if self.error is None:
                 raise
             error, self.error = self.error, None
             raise error from None
         finally:
-            self.rows = self.gates = self.ups = self.out = None
+            self.rows = self.gates = self.ups = self.out = self.hidden = None
 
 
 class LookedUp:
@@ -156,14 +174,69 @@ class LookedUp:
         return super().forward(x)
 
 
-looked_up_kinds = {}
+class Deferred:
+    """A served w2 inside ModelPyMlp's call: where the call that reached it is one whose result the fork's forward
+    returns at once to ModelPyMlp.run (a call instruction followed by a return, in the frame run called:
+    returned_to_run), nothing else can see its product, so it copies its input to the step's hidden rows and returns
+    ModelPyMlp's stand-in, and the step computes the product from the same operands (the same sums). Elsewhere, or
+    where a hook would see its output, its own product."""
+
+    def forward(self, x):
+        mlp = self.deferred_by
+        if mlp.down is self and x.dtype == mlp.hidden.dtype and x.shape == mlp.hidden.shape and not hooked(self) \
+                and returned_to_run(sys._getframe(1)):
+            mlp.hidden.copy_(x)
+            return mlp.stand_in
+        return super().forward(x)
 
 
-def looked_up(kind):
-    """LookedUp over a product's class, one per class."""
-    if kind not in looked_up_kinds:
-        looked_up_kinds[kind] = type(f"LookedUp{kind.__name__}", (LookedUp, kind), {})
-    return looked_up_kinds[kind]
+MODULE_CALLS = torch.nn.Module._call_impl.__code__.co_filename  # the frames of nn.Module's call
+
+
+def returned_to_run(frame) -> bool:
+    """Whether the call under way in the first frame above `frame` that is not nn.Module's call machinery returns its
+    result at once, and that frame was called by ModelPyMlp.run (directly or through nn.Module's call)."""
+    while frame.f_code.co_filename == MODULE_CALLS:
+        frame = frame.f_back
+    returned = returned_calls.get((frame.f_code, frame.f_lasti))
+    if not (returns_at_once(frame.f_code, frame.f_lasti) if returned is None else returned):
+        return False
+    caller = frame.f_back
+    while caller.f_code.co_filename == MODULE_CALLS:
+        caller = caller.f_back
+    return caller.f_code is ModelPyMlp.run.__code__
+
+
+returned_calls = {}  # (code, offset) -> whether the instruction there is a call whose result code returns at once
+
+
+def returns_at_once(code, offset) -> bool:
+    """Whether code's instruction at offset is a call followed by a return (its result returned as it is)."""
+    instructions = list(dis.get_instructions(code))
+    for i, following in zip(instructions, instructions[1:]):
+        returned_calls[code, i.offset] = i.opname.startswith("CALL") and following.opname == "RETURN_VALUE"
+    return returned_calls.setdefault((code, offset), False)
+
+
+# nn.Module's global hooks (None where a torch names them otherwise: then every module counts as hooked)
+GLOBAL_HOOKS = [getattr(torch.nn.modules.module, f"_global_{kind}", None)
+                for kind in ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")]
+
+
+def hooked(module) -> bool:
+    """Whether calling the module runs hooks, its own or global ones (nn.Module's call then does more than forward)."""
+    return None in GLOBAL_HOOKS or any(GLOBAL_HOOKS) or bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+derived_kinds = {}
+
+
+def derived(mixin, kind):
+    """mixin (LookedUp or Deferred) over a product's class, one class per pair."""
+    if (mixin, kind) not in derived_kinds:
+        derived_kinds[mixin, kind] = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {})
+    return derived_kinds[mixin, kind]
 
 
 class Transformer(model.Transformer):
@@ -280,7 +353,7 @@ def only_the_mlp(edited: set) -> bool:
 
 
 # What they add to a module (restore drops it).
-BLOCK_ATTRIBUTES = ("block_operands", "one_call_step", "looked_up")
+BLOCK_ATTRIBUTES = ("block_operands", "one_call_step", "looked_up", "deferred_by")
 
 
 class StepParts:
@@ -328,4 +401,7 @@ class StepParts:
             module.__class__ = kind
             for name in BLOCK_ATTRIBUTES:
                 module.__dict__.pop(name, None)
+            for name, submodule in module._modules.items():  # ModelPyMlp's copies in the instance's dict
+                if module.__dict__.get(name) is submodule:
+                    del module.__dict__[name]
         self.swapped = []

@@ -144,13 +144,40 @@ def test_a_fork_s_edited_activation_keeps_the_one_call_step_calling_its_mlp(smol
     with torch.no_grad():  # model.py's forward around the same modules, the last step again
         around = model.Transformer.forward(m, tokens[:, -1:], torch.tensor([[67]]))
     assert torch.equal(around, steps[:, -1:])
-    products = []  # in a step, the fork's w1(x) and w3(x) are the step's stacked product's halves: only w2 runs
+    products = []  # in a step, the fork's w1(x) and w3(x) are the step's stacked product's halves, and the step
+    # computes the w2(h) its forward returns as it is: no product runs in Python
     monkeypatch.setattr(modules.Linear, "forward", lambda self, x: products.append(self) or torch.zeros(
         *x.shape[:-1], self.weight.shape[0], dtype=x.dtype))
     with torch.no_grad():
         m(tokens[:, :1], torch.tensor([[60]]))
-    assert products == [layer.feed_forward.w2 for layer in m.layers]
+    assert products == []
     monkeypatch.undo()
+
+    def gelu_mlp(self, x):
+        return torch.nn.functional.gelu(self.w1(x), approximate="tanh") * self.w3(x)
+
+    def scaled(self, x):  # reads w2's output: its own product
+        return self.w2(gelu_mlp(self, x)) * 0.5
+
+    def kept(self, x):  # keeps it before returning it: its own product
+        y = self.w2(gelu_mlp(self, x))
+        return y
+
+    def down(self, x):  # a helper returns it, but to the forward, which reads it: its own product
+        return self.w2(gelu_mlp(self, x))
+
+    def through_a_helper(self, x):
+        return down(self, x) + 0
+    seen = []
+    hook = m.layers[3].feed_forward.w2.register_forward_hook(lambda module, args, out: seen.append(out.clone()))
+    for forward in (model.FeedForward.forward, scaled, kept, through_a_helper):
+        monkeypatch.setattr(model.FeedForward, "forward", forward)
+        with torch.no_grad():
+            step = m(tokens[:, :1], torch.tensor([[60]]))
+            around = model.Transformer.forward(m, tokens[:, :1], torch.tensor([[60]]))
+        assert torch.equal(step, around), forward.__name__
+    hook.remove()
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen[::2], seen[1::2]))  # a hook sees products
 
     def mutating(self, x):  # changes w1's output in place, then asks for it again: it gets its own product
         self.w1(x).mul_(2)
@@ -819,21 +846,24 @@ def test_an_edit_to_model_py_s_forward_turns_the_one_call_step_off(monkeypatch, 
 
 def test_bf16_tiles_are_a_product_s_only_copy_and_restore_gives_model_py_its_weights_back():
     """A served bf16 product holds its weight only in its column tiles (its weight is on the meta device: no
-    memory), but where an embedding shares it; restoring the model gives model.py every weight back bit for bit."""
+    memory), but where an embedding shares it; restoring the model gives model.py every weight back bit for bit, and
+    every module its class and attributes (the step for an edited MLP included)."""
     from cpu.serving import restore, serve
     assert kernels.load()
-    for tie in (False, True):
+    for tie, edited in ((False, set()), (True, set()), (False, {"model.FeedForward.forward"})):
         torch.manual_seed(0)
         m = model.Transformer(model.ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                               intermediate_size=96, tie_embeddings=tie)).to(torch.bfloat16).eval()
         before = {name: t.clone() for name, t in m.state_dict().items()}
         products = [p for p in m.modules() if type(p) is torch.nn.Linear]
         originals, parts = serve(m, products, {})
-        parts.install(set())
+        parts.install(edited)  # an edited MLP: ModelPyMlp's classes and the MLP's submodules in its instance dict
         assert all(p.weight.is_meta for p in products if p is not m.output)
         assert m.output.weight.is_meta != tie and not m.tok_embeddings.weight.is_meta
         restore(m, originals, parts)
         assert type(m) is model.Transformer and "one_call_step" not in vars(m)
+        assert all(type(p) is torch.nn.Linear and not {"looked_up", "deferred_by"} & set(vars(p)) for p in products)
+        assert not any({"w1", "w2", "w3"} & set(vars(layer.feed_forward)) for layer in m.layers)
         after = m.state_dict()
         assert all(torch.equal(before[name], after[name]) for name in before if "cache" not in name), tie
 

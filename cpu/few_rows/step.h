@@ -262,22 +262,41 @@ struct StepOperands {
   Product product(int64_t i) const { return {weights[i], factors.get(i), tables.get(i), biases.get(i)}; }
 };
 
+// out[i] = x[i] as another type, where it holds values of both (T and float32): element by element, without the
+// dispatcher's copy and conversion ops (a few microseconds a call in a layer of a step).
+template <class From, class To>
+void convert(const From* x, int64_t n, To* out) {
+  for (int64_t i = 0; i < n; i++) out[i] = To(x[i]);
+}
+
 // A fork's model.FeedForward.forward in the one-call step's place for it (cpu.one_call.ModelPyMlp): the step writes
 // layer l's normed rows to rows[l] [B, S, dim] and their gate/up product (the stacked w1 and w3, as the fork's w1(x)
 // and w3(x) return them) to gate_up[l] [B, S, 2 * I], both in the model's dtype (a layer apiece: what the fork keeps
-// of them stays as it was), calls `call(l)` (a Python function through ctypes; 0 once it has written the MLP's
-// output to `out` [B, S, dim]), and takes `out` as mlp_block's result.
+// of them stays as it was), and calls `call(l)` (a Python function through ctypes), which returns 0 once it has
+// written the MLP's output to `out` [B, S, dim], or 2 once it has written the input of its w2 to `hidden` [B, S, I]
+// where the fork's forward returns that product as it is: the step computes it, a product less called from Python.
 struct MlpCall {
   int (*call)(int64_t layer);
   const at::Tensor& rows;
   const at::Tensor& gate_up;
   const at::Tensor& out;
+  const at::Tensor& hidden;
   template <class T>
-  at::Tensor run(const at::Tensor& h, const Product& gate_up_product, int64_t layer) const {
-    rows.select(0, layer).view(h.sizes()).copy_(h);  // h holds values of the model's dtype: exact
-    gate_up.select(0, layer).view({h.size(0), -1}).copy_(step_product<T>(h, gate_up_product, gate_up.size(-1)));
-    TORCH_CHECK(call(layer) == 0, "few_rows: the MLP's model.py code raised");
-    return out.view(h.sizes()).to(at::kFloat);
+  at::Tensor run(const at::Tensor& h, const Product& gate_up_product, const Product& down, int64_t layer) const {
+    const int64_t n = h.numel(), gate_up_n = gate_up.numel() / gate_up.size(0);
+    convert(h.data_ptr<float>(), n, reinterpret_cast<T*>(rows.data_ptr()) + layer * n);  // values of T: exact
+    const at::Tensor gu = step_product<T>(h, gate_up_product, gate_up.size(-1));
+    convert(gu.data_ptr<float>(), gate_up_n, reinterpret_cast<T*>(gate_up.data_ptr()) + layer * gate_up_n);
+    const int done = call(layer);
+    TORCH_CHECK(done == 0 || done == 2, "few_rows: the MLP's model.py code raised");
+    if (done == 2) {
+      at::Tensor x = at::empty({h.size(0), hidden.numel() / h.size(0)}, h.options());
+      convert(reinterpret_cast<const T*>(hidden.data_ptr()), hidden.numel(), x.data_ptr<float>());
+      return step_product<T>(x, down, h.size(1));
+    }
+    at::Tensor down_rows = at::empty(h.sizes(), h.options());
+    convert(reinterpret_cast<const T*>(out.data_ptr()), n, down_rows.data_ptr<float>());
+    return down_rows;
   }
 };
 
@@ -301,7 +320,7 @@ at::Tensor llama_step_rows(const at::Tensor& tokens, const at::Tensor& positions
                                             s.k_caches[l], s.v_caches[l], s.n_heads, s.n_kv_heads);
     add_rounded<T>(x.data(), o.data_ptr<float>(), R * dim, x.data());
     rms_norm_rows<T>(x.data(), s.norms[2 * l + 1], s.eps, R, dim, hp);
-    const at::Tensor down = mlp ? mlp->run<T>(h, s.product(4 * l + 2), l)
+    const at::Tensor down = mlp ? mlp->run<T>(h, s.product(4 * l + 2), s.product(4 * l + 3), l)
                                 : mlp_block<T>(h, s.product(4 * l + 2), s.product(4 * l + 3));
     add_rounded<T>(x.data(), down.data_ptr<float>(), R * dim, x.data());
   }
@@ -318,7 +337,7 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
                       const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
                       at::TensorList v_caches, int64_t n_heads, int64_t n_kv_heads, double eps, int64_t mlp_call,
                       const std::optional<at::Tensor>& mlp_rows, const std::optional<at::Tensor>& mlp_gate_up,
-                      const std::optional<at::Tensor>& mlp_out) {
+                      const std::optional<at::Tensor>& mlp_out, const std::optional<at::Tensor>& mlp_hidden) {
   const int64_t layers = k_caches.size();
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
                   positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
@@ -360,15 +379,19 @@ at::Tensor llama_step(const at::Tensor& tokens, const at::Tensor& positions, con
     const auto shape = std::vector<int64_t>{B, tokens.size(1), embeddings.size(1)};
     const auto each = std::vector<int64_t>{layers, B, tokens.size(1), embeddings.size(1)};
     const auto each_gate_up = std::vector<int64_t>{layers, B, tokens.size(1), outputs(weights[2])};
-    TORCH_CHECK(mlp_rows && mlp_gate_up && mlp_out && mlp_rows->sizes() == each && mlp_out->sizes() == shape &&
-                    mlp_gate_up->sizes() == each_gate_up && mlp_rows->is_contiguous() &&
-                    mlp_gate_up->is_contiguous() && mlp_out->is_contiguous() &&
+    const auto hidden = std::vector<int64_t>{B, tokens.size(1), outputs(weights[2]) / 2};
+    TORCH_CHECK(mlp_rows && mlp_gate_up && mlp_out && mlp_hidden && mlp_rows->sizes() == each &&
+                    mlp_out->sizes() == shape && mlp_gate_up->sizes() == each_gate_up &&
+                    mlp_hidden->sizes() == hidden && mlp_rows->is_contiguous() && mlp_gate_up->is_contiguous() &&
+                    mlp_out->is_contiguous() && mlp_hidden->is_contiguous() &&
                     mlp_rows->scalar_type() == embeddings.scalar_type() &&
                     mlp_gate_up->scalar_type() == embeddings.scalar_type() &&
-                    mlp_out->scalar_type() == embeddings.scalar_type(),
-                "few_rows: llama_step's MLP call takes contiguous rows and gate_up [layers, B, S, ...] and out "
-                "[B, S, dim] in the model's dtype");
-    mlp.emplace(MlpCall{reinterpret_cast<int (*)(int64_t)>(mlp_call), *mlp_rows, *mlp_gate_up, *mlp_out});
+                    mlp_out->scalar_type() == embeddings.scalar_type() &&
+                    mlp_hidden->scalar_type() == embeddings.scalar_type(),
+                "few_rows: llama_step's MLP call takes contiguous rows and gate_up [layers, B, S, ...], out "
+                "[B, S, dim] and hidden [B, S, intermediate] in the model's dtype");
+    mlp.emplace(
+        MlpCall{reinterpret_cast<int (*)(int64_t)>(mlp_call), *mlp_rows, *mlp_gate_up, *mlp_out, *mlp_hidden});
   }
   const MlpCall* around = mlp ? &*mlp : nullptr;
   switch (embeddings.scalar_type()) {

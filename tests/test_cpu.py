@@ -122,8 +122,10 @@ def test_a_fork_s_edited_activation_keeps_the_one_call_step_calling_its_mlp(smol
     """SmolLM2 in bf16 with model.FeedForward.forward edited (SiLU -> GELU): the backend still serves every product
     and each step is still one few_rows.cpp call, which calls the fork's MLP (model.py's code, its products
     few_rows.cpp's) for each layer; the step is model.py's forward around the kernels bit for bit (the canary checked
-    it); an 8-token verify's logits are 8 decode steps' bit for bit (speculation stays exact); an error in the MLP's
-    code reaches the caller as itself. Its speed: scripts/bench_fork.py."""
+    it); an 8-token verify's logits are 8 decode steps' bit for bit (speculation stays exact); the w2(h) its forward
+    returns as it is is computed by the step, and a forward that reads it, keeps it or gets it from a helper, or a
+    hook on w2, gets w2's own product, bit for bit as model.py's forward; an error in the MLP's code reaches the
+    caller as itself. Its speed: scripts/bench_fork.py."""
     source = inspect.getsource(model.FeedForward.forward)
     monkeypatch.setattr(model.FeedForward, "forward", defined(source.replace(
         "F.silu(self.w1(x))", 'F.gelu(self.w1(x), approximate="tanh")')))

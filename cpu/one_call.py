@@ -133,6 +133,10 @@ class ModelPyMlp:
                 out = feed_forward.forward(rows)
             if out is self.stand_in:
                 return 2
+            if not isinstance(out, torch.Tensor) or out.shape != rows.shape or out.dtype != rows.dtype:
+                raise ValueError(f"model.FeedForward.forward returned {describe(out)} for rows {describe(rows)}; the "
+                                 "one-call step takes an MLP's output in its input's shape and dtype, as model.py's "
+                                 "Block adds it to the residual")
             self.out.copy_(out)
             return 0
         except BaseException as error:  # raised again by step: an exception cannot cross the C++ frames
@@ -159,6 +163,10 @@ class ModelPyMlp:
             raise error from None
         finally:
             self.rows = self.gates = self.ups = self.out = self.hidden = None
+
+
+def describe(value) -> str:
+    return f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 class LookedUp:

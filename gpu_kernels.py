@@ -10,6 +10,8 @@ a row alone does). The weights are decoded in registers, never copied dequantize
   by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them (round_activations).
 - `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots from slot 0
   (a split of the keys fixed by the cache, not by the number of rows), with an online softmax in float32.
+- `rows_norm`: RMSNorm, one program a row, its sum of squares in one fixed order (PyTorch's own reduction picks its
+  split by the number of rows).
 
 Run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported): how
 tests/test_gpu_kernels.py checks them without a GPU.
@@ -19,9 +21,12 @@ import triton
 import triton.language as tl
 
 import mx
+import quantize
+
+# FORMAT: the format's code (quantize.Format.code), as the kernels read it
+PLAIN, INT8, INT4, MX = (tl.constexpr(code) for code in (quantize.PLAIN, quantize.INT8, quantize.INT4, quantize.MX))
 
 BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S = 16, 32, 64, 64
-BF16, INT8, INT4, MX = 0, 1, 2, 3  # how a kernel decodes its weight (FORMAT)
 
 
 @triton.jit
@@ -45,11 +50,11 @@ def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, M,
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
         at = cols[None, :] * K + ks[:, None]  # element (k, n) of W^T: [BLOCK_K, BLOCK_N]
-        if FORMAT == 0:
+        if FORMAT == PLAIN:
             w = tl.load(w_ptr + at, mask=col_ok[None, :], other=0.0)
-        elif FORMAT == 1:
+        elif FORMAT == INT8:
             w = tl.load(w_ptr + at, mask=col_ok[None, :], other=0).to(tl.float32).to(x.dtype)
-        elif FORMAT == 2:  # two codes a byte, element 2i in the low nibble; (scale, zero) [K / group, N, 2]
+        elif FORMAT == INT4:  # two codes a byte, element 2i in the low nibble; (scale, zero) [K / group, N, 2]
             byte = tl.load(w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=col_ok[None, :], other=0)
             code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 15
             at_group = ((ks[:, None] // group) * N + cols[None, :]) * 2
@@ -72,7 +77,7 @@ def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, M,
         # interpreter multiplies bf16 operands wrongly); float32 models multiply in full float32 ("ieee")
         acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
     y = rounded(acc, out_ptr.dtype.element_ty)
-    if FORMAT == 1:  # the reference: (x @ codes) in the input's dtype, times the scales in it
+    if FORMAT == INT8:  # the reference: (x @ codes) in the input's dtype, times the scales in it
         scale = tl.load(factors_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = rounded(y.to(tl.float32) * scale[None, :], out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
@@ -117,7 +122,7 @@ def mx_tables(fmt: mx.ElementFormat, device) -> tuple[torch.Tensor, torch.Tensor
     return tables[key]
 
 
-def rows_product(x, weight, factors=None, fmt=BF16, bits=16, group=0, n=None, element=None):
+def rows_product(x, weight, factors=None, fmt=quantize.PLAIN, bits=16, group=0, n=None, element=None):
     """x [..., K] (already rounded as the reference rounds it) times a weight in its file's layout -> [..., N] in x's
     dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4 bytes [N, K / 2] with factors =
     scales_and_zeros [K / group, N, 2]; MX codes [N, K * bits / 8] with factors = E8M0 scales [N, K / 32] and
@@ -126,7 +131,7 @@ def rows_product(x, weight, factors=None, fmt=BF16, bits=16, group=0, n=None, el
     n = weight.shape[0] if n is None else n
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-    table, scales = mx_tables(element, x.device) if fmt == MX else (weight, weight)  # (unread but by MX)
+    table, scales = mx_tables(element, x.device) if fmt == quantize.MX else (weight, weight)  # (unread but by MX)
     factors = weight if factors is None else factors
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(rows.shape[0], BLOCK_M))
     product_kernel[grid](rows, weight, factors, table, scales, out, rows.shape[0], n, k, group, FORMAT=fmt, BITS=bits,
@@ -135,17 +140,37 @@ def rows_product(x, weight, factors=None, fmt=BF16, bits=16, group=0, n=None, el
     return out.view(*x.shape[:-1], n)
 
 
-def rows_attention(q, k, v, input_pos):
-    """softmax(q k^T / sqrt(D)) v for q [B, H, R, D] (R = G * T query rows of a KV head, row r at position
-    input_pos[b, r % T]) over the cache k, v [B, H, S, D]: each row sees slots 0 .. its position."""
+def rows_attention(q, k, v, input_pos, scale=None):
+    """softmax(q k^T * scale) v (scale 1 / sqrt(D) by default) for q [B, H, R, D] (R = G * T query rows of a KV head,
+    row r at position input_pos[b, r % T]) over the cache k, v [B, H, S, D]: each row sees slots 0 .. its position."""
     b, h, r, d = q.shape
     t, s = input_pos.shape[-1], k.shape[2]
+    q = q.contiguous()
     out = torch.empty_like(q)
-    attention_kernel[(r, h, b)](q.contiguous(), k.contiguous(), v.contiguous(), input_pos.contiguous(), out, t, r, s,
-                                h, d ** -0.5, D=d, BLOCK_S=BLOCK_S)
+    attention_kernel[(r, h, b)](q, k.contiguous(), v.contiguous(), input_pos.contiguous(), out, t, r, s, h,
+                                d ** -0.5 if scale is None else scale, D=d, BLOCK_S=BLOCK_S)
     return out
 
 
+@triton.jit
+def norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    seen = cols < dim
+    x = tl.load(x_ptr + row * dim + cols, mask=seen, other=0.0).to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(x * x, 0) / dim + eps)
+    normed = rounded(x * scale, x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=seen, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + cols, rounded(w * normed, out_ptr.dtype.element_ty), mask=seen)
+
+
+def rows_norm(x, weight, eps):
+    """model.rms_norm for x [..., dim] and weight [dim] of x's dtype: each row in one program, one order of sums."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, rows.shape[1], eps,
+                                  BLOCK=triton.next_power_of_2(rows.shape[1]))
+    return out.view(x.shape)
 
 
 # The kernels as custom ops: torch.compile (fullgraph, CUDA graphs) calls them as they are, and traces their shapes
@@ -159,13 +184,3 @@ def rows_product_op(x: torch.Tensor, weight: torch.Tensor, factors: torch.Tensor
 @rows_product_op.register_fake
 def _(x, weight, factors, fmt, bits, group, n, element):
     return x.new_empty(*x.shape[:-1], n)
-
-
-@torch.library.custom_op("fastdecode::rows_attention", mutates_args=())
-def rows_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    return rows_attention(q, k, v, input_pos)
-
-
-@rows_attention_op.register_fake
-def _(q, k, v, input_pos):
-    return torch.empty_like(q)

@@ -11,17 +11,18 @@ import torch
 
 import backend
 import cpu
+import model as model_py
 import gpu
 import quantize
 import ranks
 import tp
-from checkpoint import InputError, map_safetensors, no_random_init, open_checkpoint
+from checkpoint import InputError, map_safetensors, no_random_init, open_checkpoint, release_file_pages
 from model import Transformer
 from speculative import ModelDrafter, NgramDrafter
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "aten")  # aten: CUDA only, to compare (gpu.py)
 
 
 def check_device(device):
@@ -53,7 +54,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         raise InputError(f"--backend {backend}: unknown; use {' or '.join(BACKENDS)}")
     checkpoint = open_checkpoint(checkpoint_path)
     args, weights_path = checkpoint.args, checkpoint.weights
-    tensors, metadata = map_safetensors(weights_path)
+    mapped, metadata = map_safetensors(weights_path)
     mode, block = quantize.file_mode(metadata, weights_path)
     if mode:
         args = dataclasses.replace(args, tie_embeddings=False)  # quantize.py stores its own LM head
@@ -61,6 +62,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         model = Transformer(args)
         if mode:
             quantize.replace_linears(model, mode, block)
+    tensors = stack_products(model, mapped, weights_path)
     expected = model.state_dict()
     if args.tie_embeddings:
         expected.pop("output.weight")
@@ -74,6 +76,7 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
     if unexpected:
         raise InputError(f"{weights_path}: unexpected tensor '{unexpected[0]}' (does config.json match?)")
     model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=False)
+    del tensors  # the stacked products' only holder is then the model: a backend's layout of a layer frees them
     model.tie_weights()
     phases["map and build"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -81,19 +84,53 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, tp_group=Non
         tp.apply_tp(model, tp_group)
     model.to(device=device, dtype=dtype)  # floating tensors only; a no-op (still the map) where they match
     phases["shard and cast"] = time.perf_counter() - start
-    if backend == "auto":
-        apply_backend(model, tensors, phases)
+    if backend != "torch":
+        apply_backend(model, mapped, phases, backend)
     return model.eval()
 
 
-def apply_backend(model, mapped=None, phases=None) -> backend.Report:
+def stack_products(model, tensors: dict, path) -> dict:
+    """The file's tensors with the products that model.py stacks (model.stacked: q/k/v, gate/up) joined, each tensor
+    along its output axis (a file holds them apart), each part checked for the rows config.json implies."""
+    tensors = dict(tensors)
+    for name, module in model.named_modules():
+        for stack, parts in model_py.stacked(model.args).items():
+            if not name.endswith(stack) or f"{name}.weight" in tensors:
+                continue
+            prefix, axes = name.removesuffix(stack), quantize.output_axes(module)
+            held = []
+            for part, rows in parts:
+                keys = [key for key in tensors if key.startswith(f"{prefix}{part}.")]
+                if f"{prefix}{part}.weight" not in keys:
+                    raise InputError(f"{path}: missing tensor '{prefix}{part}.weight' (does config.json match the "
+                                     "weights?)")
+                for key in keys:
+                    rows_held = tensors[key].shape[axes.get(key.rsplit(".", 1)[1], 0)]
+                    if rows_held != rows:
+                        raise InputError(f"{path}: tensor '{key}' has {rows_held} output rows, config.json implies "
+                                         f"{rows}")
+                held.append({key.rsplit(".", 1)[1]: tensors.pop(key) for key in keys})
+            try:
+                joined = quantize.stack_outputs(module, held)
+            except (KeyError, RuntimeError) as e:
+                raise InputError(f"{path}: the parts of {name} do not stack ({str(e).splitlines()[0]}); does "
+                                 "config.json match the weights?") from None
+            release_file_pages(t for part in held for t in part.values())  # copied: the process needs their pages no more
+            tensors.update({f"{name}.{k}": t for k, t in joined.items()})
+    return tensors
+
+
+def apply_backend(model, mapped=None, phases=None, name="auto") -> backend.Report:
     """The backend of the model's device, around model.py: cpu/ on CPU, gpu.py on CUDA (each checks itself and
-    returns its report, which it keeps with the model: backend.report(model))."""
+    returns its report, which it keeps with the model: backend.report(model)). name "aten": CUDA's aten kernels."""
     device = model.tok_embeddings.weight.device.type
+    if name == "aten" and device != "cuda":
+        raise InputError(f"--backend aten runs CUDA's aten kernels (to compare with the Triton ones); on {device} use "
+                         "auto or torch")
     if device == "cpu":
         return cpu.apply(model, mapped, phases)
     if device == "cuda":
-        return gpu.apply(model)
+        return gpu.apply(model, name)
     return backend.report(model)
 
 
@@ -106,7 +143,7 @@ def draft_mode(form, backend="auto") -> str | None:
     if form not in DRAFT_FORMS:
         raise InputError(f"--draft_quantize {form}: unknown; use {', '.join(DRAFT_FORMS)}")
     if form == "auto":
-        return "int4" if backend == "auto" else None
+        return "int4" if backend != "torch" else None
     return None if form == "none" else form
 
 
@@ -156,8 +193,8 @@ def load_draft(checkpoint, device="cpu", dtype=torch.bfloat16, backend="auto", f
     model = load_model(checkpoint, device, dtype, backend="torch", phases=phases)
     quantize.quantize_model(model, mode)
     phases["quantize"] = phases.get("quantize", 0.0) + time.perf_counter() - start
-    if backend == "auto":
-        apply_backend(model, None, phases)
+    if backend != "torch":
+        apply_backend(model, None, phases, backend)
     return model, f"{mode} (in memory)"
 
 

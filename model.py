@@ -1,13 +1,18 @@
 """Llama-family and CodeGen transformers with a static KV cache.
 
 One forward serves every use: `forward(tokens [B, T], input_pos [B, T])`, with T = 1 (decode), K + 1
-(speculative verify) or a whole prompt (prefill). Each batch row carries its own positions; the attention
-mask is derived from them, so stale cache slots (padding, rejected draft tokens) are never attended and
-are simply overwritten later.
+(speculative verify) or a whole prompt (prefill). Each batch row carries its own positions; a query at position p
+sees cache slots 0..p, so stale cache slots (padding, rejected draft tokens) are never attended and are simply
+overwritten later.
 
 Rotary embeddings use one convention (the first and second half of the rotated dims form the pairs).
 Checkpoints stored in the interleaved convention (GGUF, CodeGen) are permuted once at conversion; attention
 scores are unchanged by a permutation applied to both q and k.
+
+The ops model.py calls besides the products (torch.ops.fastdecode.rms_norm, layer_norm, attention) are defined by
+their reference, the plain PyTorch of the functions of those names below; a backend registers its kernels for them
+per device (cpu/, gpu.py), each held to its reference by the tests and by a spot check when it loads. Every reduction of a step lives inside an op or a product, so the glue between them (what
+torch.compile fuses) computes a row of a verify as it computes the row of a decode.
 """
 import math
 from dataclasses import dataclass
@@ -48,6 +53,42 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+
+# ---------------------------------------------------------------- the ops, defined by their references
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in float32, rounded to x's dtype before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)).contiguous()  # (each op's result is contiguous, as its kernels' and fake's)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """nn.LayerNorm's math, an op so that no compiled step splits its mean and variance another way for another
+    number of rows (PyTorch's own kernel computes each row alike)."""
+    return F.layer_norm(x, weight.shape, weight, bias, eps).contiguous()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v over a static cache. q [B, H_kv, G * T, D]: the G query heads that share a KV head
+    folded into the rows, row r being token r % T at position input_pos[b, r % T]; k, v [B, H_kv, L, D], the whole
+    cache. A query at position p sees slots 0..p."""
+    slots = torch.arange(k.shape[2], device=q.device)
+    mask = (slots <= input_pos[:, None, :, None]).repeat(1, 1, q.shape[2] // input_pos.shape[1], 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).contiguous()
+
+
+# The ops, torch.ops.fastdecode.*: torch.compile sees each as one call (with the shape and the contiguous strides of its
+# result), and a backend registers its kernel for it per device.
+torch.library.custom_op("fastdecode::rms_norm", rms_norm, mutates_args=()).register_fake(
+    lambda x, weight, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)))
+torch.library.custom_op("fastdecode::layer_norm", layer_norm, mutates_args=()).register_fake(
+    lambda x, weight, bias, eps: x.new_empty(x.shape))
+torch.library.custom_op("fastdecode::attention", attention, mutates_args=()).register_fake(
+    lambda q, k, v, input_pos, scale: q.new_empty(q.shape))
+
+
+# ---------------------------------------------------------------- the model
 
 class KVCache(nn.Module):
     def __init__(self, batch_size, max_seq_len, n_kv_heads, head_dim, dtype, device):
@@ -108,63 +149,76 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return torch.ops.fastdecode.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return torch.ops.fastdecode.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def stacked(args: ModelArgs) -> dict:
+    """The products that read the same input, stacked by output rows into one (a step reads that input once and makes
+    one call instead of three): a checkpoint holds them apart, and loading.py stacks them. -> {a stacked product's
+    name in a layer: [(the name of a part, its output rows), ...]}"""
+    hd = args.head_dim
+    return {"attention.wqkv": [("attention.wq", args.n_heads * hd), ("attention.wk", args.n_kv_heads * hd),
+                               ("attention.wv", args.n_kv_heads * hd)],
+            "feed_forward.w13": [("feed_forward.w1", args.intermediate_size),
+                                 ("feed_forward.w3", args.intermediate_size)]}
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        hd, bias = args.head_dim, args.qkv_bias
-        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
+        hd = args.head_dim
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)  # q, k, v
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
         self.kv_cache = None
         # Set by tensor parallelism to the heads held by this rank.
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    def forward(self, x, cos, sin, input_pos):
         B, T, _ = x.shape
         hd, r = self.args.head_dim, self.args.rotary_dim
-        q = apply_rotary(self.wq(x).view(B, T, self.n_heads, hd), cos, sin, r)
-        k = apply_rotary(self.wk(x).view(B, T, self.n_kv_heads, hd), cos, sin, r)
-        v = self.wv(x).view(B, T, self.n_kv_heads, hd)
-        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, L, D]
+        q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], -1)
+        q = apply_rotary(q.view(B, T, self.n_heads, hd), cos, sin, r)
+        k = apply_rotary(k.view(B, T, self.n_kv_heads, hd), cos, sin, r)
+        k, v = self.kv_cache.update(input_pos, k, v.view(B, T, self.n_kv_heads, hd))  # [B, H_kv, L, D]
         # Grouped-query attention without repeating the cache: the G query heads that share a KV head are
         # folded into the query-length axis, [B, H_kv, G * T, D].
         groups = self.n_heads // self.n_kv_heads
         q = q.transpose(1, 2).reshape(B, self.n_kv_heads, groups * T, hd)
-        y = self.attend(q, k, v, mask, input_pos)
+        y = self.attend(q, k, v, input_pos)
         y = y.view(B, self.n_heads, T, hd).transpose(1, 2).reshape(B, T, self.n_heads * hd)
         return self.wo(y)
 
-    def attend(self, q, k, v, mask, input_pos):
-        """softmax(q k^T / sqrt(D)) v over the cache slots the mask lets each query row see."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    def attend(self, q, k, v, input_pos):
+        """softmax(q k^T / sqrt(D)) v over the cache slots each query row's position sees."""
+        return torch.ops.fastdecode.attention(q, k, v, input_pos, q.shape[-1] ** -0.5)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gated = args.family == "llama"
-        bias = args.family == "codegen"
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=bias)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=bias)
         if self.gated:
-            self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+            self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate (w1) and up (w3)
+        else:
+            self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=True)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=not self.gated)
 
     def forward(self, x):
         if self.gated:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = self.w13(x).chunk(2, -1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
 def make_norm(args: ModelArgs):
     if args.family == "codegen":
-        return nn.LayerNorm(args.dim, eps=args.norm_eps)
+        return LayerNorm(args.dim, eps=args.norm_eps)
     return RMSNorm(args.dim, args.norm_eps)
 
 
@@ -181,11 +235,13 @@ class Block(nn.Module):
         # partial sums. CodeGen's parallel branches share one.
         self.reduce = no_communication
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    # torch.compile traces one layer and runs its graph for every layer (a compile then costs about one layer's)
+    @torch.compiler.nested_compile_region
+    def forward(self, x, cos, sin, input_pos):
         if self.parallel:
             h = self.attention_norm(x)
-            return x + self.reduce(self.attention(h, cos, sin, mask, input_pos) + self.feed_forward(h))
-        x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, mask, input_pos))
+            return x + self.reduce(self.attention(h, cos, sin, input_pos) + self.feed_forward(h))
+        x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, input_pos))
         return x + self.reduce(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -230,15 +286,9 @@ class Transformer(nn.Module):
         """tokens, input_pos: [B, T]. logits_idx [B, N] (optional): only those positions get logits."""
         cos = self.rope_cos[input_pos].unsqueeze(2)  # [B, T, 1, rotary_dim / 2]
         sin = self.rope_sin[input_pos].unsqueeze(2)
-        # [B, 1, T, L]: a query at position p sees cache slots 0..p; repeated for the grouped query heads.
-        # L from the cache itself, not from setup_caches: the ONNX export passes caches in as graph inputs.
-        attn = self.layers[0].attention  # the heads held here (all of them, unless tensor parallel)
-        slots = torch.arange(attn.kv_cache.k_cache.shape[2], device=tokens.device)
-        mask = slots <= input_pos[:, None, :, None]
-        mask = mask.repeat(1, 1, attn.n_heads // attn.n_kv_heads, 1)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, input_pos)
+            x = layer(x, cos, sin, input_pos)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
         return self.gather_logits(self.output(self.norm(x)))

@@ -4,8 +4,10 @@ Writes CKPT/model.MODE.safetensors with the mode in its metadata; generate.py ma
 quantized modules below. Every Linear is quantized, the LM head included (untied from the embedding, which
 stays 16-bit: a decode step reads one row of it).
 
-Each module keeps its on-disk layout and has one forward in plain PyTorch, valid on any device: the reference.
-The CPU backend (cpu/) serves them with few_rows.cpp and layouts of its own, built at load from these.
+A format is declared once, by its record in FORMATS (Format: its mode, the code its kernels switch on, its module,
+its MX elements). Its module keeps the file's layout and has one forward in plain PyTorch, valid on any device: the
+reference. A backend serves it with kernels of its own (cpu/few_rows, gpu_kernels.py), proven against that forward in
+the tests and by a spot check at load; a new format is its record and module here, its kernels and its tests.
 """
 import cli
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 import mx
 from checkpoint import InputError, OneLineErrors, map_safetensors, open_checkpoint, write_atomically
-from model import Transformer
+from model import Transformer, stacked
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
@@ -42,6 +44,8 @@ def rowwise_linear(x, dequantize, n):
 class Int8Linear(nn.Module):
     """Per-output-channel symmetric int8: w = q * scale[n]. The forward is gpt-fast's: the codes cast to the input's
     dtype, times the scales after the product (torch.compile fuses the cast into the product)."""
+
+    mode = "int8"
 
     def __init__(self, in_features, out_features, bias=False):
         super().__init__()
@@ -71,10 +75,11 @@ class Int8Linear(nn.Module):
         q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
         return {"weight": q, "scales": scales}
 
-    # What quantize.py and tp.py ask of every format (FORMATS), so that adding one touches its class only: the
-    # inputs that share a scale, the multiple of output rows its kernel takes, its empty and quantized modules and
-    # its slices for tensor parallelism.
+    # What quantize.py, loading.py and tp.py ask of every format's module: the inputs that share a scale, the multiple
+    # of output rows its kernels take, the axis of each tensor that runs along the outputs (stacking and slicing them
+    # by output rows: loading.py, tp.py), its empty and quantized modules and its slices by inputs.
     out_multiple = 1
+    OUTPUT_AXES = {"weight": 0, "scales": 0, "bias": 0}
 
     @staticmethod
     def block(groupsize):
@@ -87,9 +92,6 @@ class Int8Linear(nn.Module):
     @classmethod
     def quantized(cls, mode, w, groupsize, rule):
         return cls.quantize(w)
-
-    def keep_outputs(self, index):  # a scale belongs to its output row
-        self.weight, self.scales = self.weight[index].contiguous(), self.scales[index].contiguous()
 
     def keep_inputs(self, start, stop):  # a scale covers every input of its row; inputs are rounded per 32
         whole_blocks(start, stop, 32, "activation block")
@@ -116,6 +118,8 @@ class Int4Linear(nn.Module):
     """Groupwise asymmetric int4, the layout of aten's CPU kernel: w = (q - 8) * scale + zero per group, two codes
     per byte (element 2i in the low nibble) and scales_and_zeros [K/g, N, 2]. Inputs are rounded to 8 bits per
     block of 32 (round_activations), as the CPU backend's integer products take them."""
+
+    mode = "int4"
 
     def __init__(self, in_features, out_features, bias=False, groupsize=128):
         super().__init__()
@@ -152,6 +156,7 @@ class Int4Linear(nn.Module):
                 "scales_and_zeros": torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()}
 
     out_multiple = 16  # aten's int4 kernel packs output rows in 16s
+    OUTPUT_AXES = {"weight": 0, "scales_and_zeros": 1, "bias": 0}
 
     @staticmethod
     def block(groupsize):
@@ -165,13 +170,6 @@ class Int4Linear(nn.Module):
     def quantized(cls, mode, w, groupsize, rule):
         return cls.quantize(w, groupsize)
 
-    def keep_outputs(self, index):
-        self.weight = self.weight[index].contiguous()
-        self.scales_and_zeros = self.scales_and_zeros[:, index].contiguous()
-        if self.weight.shape[0] % self.out_multiple:
-            raise InputError(f"{self.weight.shape[0]} output features per rank; aten's int4 kernel needs a multiple "
-                             f"of {self.out_multiple}")
-
     def keep_inputs(self, start, stop):
         whole_blocks(start, stop, self.groupsize, "int4 group")
         self.weight = self.weight[:, start // 2:stop // 2].contiguous()
@@ -182,9 +180,9 @@ class MXLinear(nn.Module):
     """OCP MX: element codes densely packed along in_features (FP6 4 codes in 3 bytes, FP4 2 per byte), one E8M0
     scale per 32 of them."""
 
-    def __init__(self, in_features, out_features, bias=False, fmt="fp6_e2m3"):
+    def __init__(self, in_features, out_features, bias=False, mode="mxfp6"):
         super().__init__()
-        self.fmt = mx.FORMATS[fmt]
+        self.mode, self.fmt = mode, mx.FORMATS[MX_MODES[mode]]
         self.register_buffer("weight", torch.empty(out_features, in_features * self.fmt.bits // 8, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, in_features // mx.BLOCK, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -213,6 +211,7 @@ class MXLinear(nn.Module):
                 "scales": torch.cat([s for _, s in chunks])}
 
     out_multiple = 1
+    OUTPUT_AXES = Int8Linear.OUTPUT_AXES
 
     @staticmethod
     def block(groupsize):
@@ -220,13 +219,11 @@ class MXLinear(nn.Module):
 
     @classmethod
     def empty(cls, mode, in_features, out_features, bias, groupsize):
-        return cls(in_features, out_features, bias, MX_MODES[mode])
+        return cls(in_features, out_features, bias, mode)
 
     @classmethod
     def quantized(cls, mode, w, groupsize, rule):
         return cls.quantize(w, MX_MODES[mode], rule)
-
-    keep_outputs = Int8Linear.keep_outputs  # a scale belongs to its output row
 
     def keep_inputs(self, start, stop):
         whole_blocks(start, stop, mx.BLOCK, "MX block")
@@ -241,8 +238,58 @@ def whole_blocks(start, stop, block, what):
         raise InputError(f"in_features [{start}, {stop}) would split a {block}-element {what}")
 
 
-# Every weight format, by the mode that names it: what it quantizes to, how it slices, its empty module.
-FORMATS = {"int8": Int8Linear, "int4": Int4Linear, **dict.fromkeys(MX_MODES, MXLinear)}
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A weight format, declared once. Read by quantize.py, loading.py and tp.py (its module: the file's tensors, the
+    reference forward, how it slices and stacks), and by the backends: what they pass their kernels comes from here
+    (the code the kernels switch on, the elements' values, the inputs' rounding), never from a guess."""
+    mode: str  # --mode and the file's metadata ("plain": an nn.Linear of floats)
+    code: int  # what cpu/few_rows/linear.h and gpu_kernels.py switch on (PLAIN, INT8, INT4, MX)
+    module: type  # its nn.Module
+    element: mx.ElementFormat | None = None  # MX: the elements' format (its bits, its values, its integer multiple)
+    levels: int | None = None  # the inputs rounded per block of 32 to these levels (round_activations), or as they are
+
+
+PLAIN, INT8, INT4, MX = range(4)
+FORMATS = {"int8": Format("int8", INT8, Int8Linear, levels=WIDE), "int4": Format("int4", INT4, Int4Linear, levels=127),
+           **{mode: Format(mode, MX, MXLinear, mx.FORMATS[e], WIDE if mx.FORMATS[e].integer_multiple else None)
+              for mode, e in MX_MODES.items()}}
+PLAIN_FORMAT = Format("plain", PLAIN, nn.Linear)
+MODULES = (Int8Linear, Int4Linear, MXLinear)  # every format's module
+
+
+def format_of(module) -> Format | None:
+    """The format of a product module (an nn.Linear of floats: PLAIN_FORMAT), or None: not one of ours."""
+    if type(module) is nn.Linear:
+        return PLAIN_FORMAT
+    return FORMATS[module.mode] if type(module) in MODULES else None
+
+
+def output_axes(module) -> dict:
+    """The axis of each of a product module's tensors that runs along its outputs."""
+    return {"weight": 0, "bias": 0} if type(module) is nn.Linear else module.OUTPUT_AXES
+
+
+def keep_outputs(module, index):
+    """Keep the output rows `index` (a slice or indices) of a product module, in place; a slice of a mapped file stays
+    a view of it."""
+    for name, axis in output_axes(module).items():
+        t = getattr(module, name)
+        if t is not None:
+            t = t[(slice(None),) * axis + (index,)].contiguous()
+            setattr(module, name, nn.Parameter(t, requires_grad=False) if name in module._parameters else t)
+    if isinstance(module, nn.Linear):
+        module.out_features = module.weight.shape[0]
+    elif module.out_features % module.out_multiple:
+        raise InputError(f"{module.out_features} output features per rank; {module.mode} needs a multiple of "
+                         f"{module.out_multiple}")
+
+
+def stack_outputs(module, parts: list[dict]) -> dict:
+    """The tensors of `module` (a product model.py stacks: model.stacked) from those of its parts as a file holds them:
+    each tensor of the parts joined along its output axis."""
+    axes = output_axes(module)
+    return {name: torch.cat([p[name] for p in parts], axes[name]) for name in parts[0]}
 
 
 def check_mode(mode, groupsize):
@@ -268,17 +315,17 @@ def file_mode(metadata: dict, path) -> tuple[str | None, int]:
 
 
 def block_of(mode, groupsize):
-    return FORMATS[mode].block(groupsize)
+    return FORMATS[mode].module.block(groupsize)
 
 
 def quantized_linear(mode, linear: nn.Linear, groupsize=128, name="") -> nn.Module:
     """An empty quantized module shaped like `linear` (on the current default device)."""
     n, k, bias = linear.out_features, linear.in_features, linear.bias is not None
-    block, rows = block_of(mode, groupsize), FORMATS[mode].out_multiple
+    block, rows = block_of(mode, groupsize), FORMATS[mode].module.out_multiple
     if k % block or n % rows:
         raise InputError(f"{name}: in_features {k} / out_features {n} do not fit {mode} (in_features must be a "
                          f"multiple of {block}{f', out_features of {rows}' if rows > 1 else ''}); choose another mode")
-    return FORMATS[mode].empty(mode, k, n, bias, groupsize)
+    return FORMATS[mode].module.empty(mode, k, n, bias, groupsize)
 
 
 def replace_linears(model, mode, groupsize=128):
@@ -291,15 +338,20 @@ def replace_linears(model, mode, groupsize=128):
     return model
 
 
-def quantize_tensor(mode, w, groupsize, rule):
-    return FORMATS[mode].quantized(mode, w, groupsize, rule)
+def quantize_tensor(mode, w, groupsize, rule=None):
+    """A weight [N, K] in `mode`'s tensors (rule None: the MX scale rule measured better for its elements, mx.py)."""
+    return FORMATS[mode].module.quantized(mode, w, groupsize, rule or default_rule(mode))
+
+
+def default_rule(mode) -> str:
+    return mx.DEFAULT_RULE.get(MX_MODES.get(mode), "rceil")
 
 
 def quantize_model(model, mode, groupsize=32, rule=None):
     """Quantize a loaded model's Linears in place, one at a time (each float weight is dropped as its layer is
     done); the LM head gets its own quantized copy, as quantize_checkpoint writes it. -> the model"""
     check_mode(mode, groupsize)
-    rule = rule or mx.DEFAULT_RULE.get(MX_MODES.get(mode), "rceil")
+    rule = rule or default_rule(mode)
     model.args = dataclasses.replace(model.args, tie_embeddings=False)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -322,7 +374,7 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
     from tqdm import tqdm
 
     check_mode(mode, groupsize)
-    rule = rule or mx.DEFAULT_RULE.get(MX_MODES.get(mode), "rceil")
+    rule = rule or default_rule(mode)
     checkpoint = open_checkpoint(checkpoint_path)
     ckpt_dir, weights_path, args = checkpoint.directory, checkpoint.weights, checkpoint.args
     tensors, metadata = map_safetensors(weights_path)
@@ -337,6 +389,11 @@ def quantize_checkpoint(checkpoint_path, mode, groupsize=32, rule=None, output=N
     if args.tie_embeddings:
         tensors = dict(tensors, **{"output.weight": tensors["tok_embeddings.weight"]})
     linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for name in list(linears):  # the file holds the products model.py stacks apart
+        for stack, parts in stacked(args).items():
+            if name.endswith(f".{stack}.weight"):
+                linears.remove(name)
+                linears |= {name.replace(stack, part) for part, _ in parts}
     out = {}
     for name in tqdm(sorted(tensors), desc=f"quantize {mode}", disable=not progress, unit="tensor"):
         w = tensors[name]

@@ -9,24 +9,78 @@ import time
 
 import torch
 
-from backend import LONGEST_VERIFY, report
-from sampling import argmax, logits_to_probs
+from backend import LONGEST_VERIFY
+
+# ---------------------------------------------------------------- from logits to tokens: temperature, top-k and top-p,
+# greedy or a draw, with no host synchronization
+
+def argmax(logits):
+    """logits.argmax(-1) by max(-1): the same index (the first largest; NaN counts as largest), where on CPU the
+    bf16 argmax over SmolLM2's 49152 logits took 158 us a row and max 31 (Zen 5)."""
+    return logits.max(-1).indices
+
+
+def logits_to_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """The distribution tokens are sampled from: temperature, then top-k, then top-p (nucleus)."""
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits, temperature: float = 0.0, top_k=None, top_p=None):
+    """[..., V] logits -> [...] token ids. Greedy at temperature 0; no host synchronization either way."""
+    if temperature == 0:
+        return argmax(logits)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race); needs no host sync.
+    return argmax(probs / torch.empty_like(probs).exponential_(1))
+
+
+# ---------------------------------------------------------------- compiled steps
 
 def compile_options(device, same_rows=True) -> dict:
     """torch.compile options of every step (decoding.Step, the draft's step): see decoding.Step. On CUDA also CUDA
     graphs, and for a draft's steps (same_rows=False) coordinate-descent tuning, which lets Inductor fuse int8's cast
     into the product (without it aten.mm reads a bf16 copy of each weight written by a separate kernel; gpt-fast
     sets it too) but rewrites one-row products only, as a sum of products (torch/_inductor/decomposition.py): a
-    target's decode and verify would then compute a row differently (gpu.exact_verify_tokens)."""
+    target's decode and verify would then compute a row differently (gpu.exact_verify_tokens). On the CPU the glue
+    between the ops runs on one thread: a step's few rows of it take less than waking the others (SmolLM2: 1.6 ms of
+    a 6.4 ms step in OpenMP's parallel regions); the ops and products use every core."""
     cuda = torch.device(device).type == "cuda"
     return {"triton.cudagraphs": cuda, "coordinate_descent_tuning": cuda and not same_rows, "size_asserts": False,
-            "alignment_asserts": False, "emulate_precision_casts": True}
+            "alignment_asserts": False, "emulate_precision_casts": True, "guard_filter_fn": step_guards,
+            **({} if cuda else {"cpp.threads": 1})}
+
+
+def step_guards(entries) -> list[bool]:
+    """The guards a compiled step keeps: all but those on its modules' weights and hook dicts, which nothing changes
+    under a loaded model (checking them cost 0.6 ms of SmolLM2's 7.6 ms step). The KV caches and rotary tables keep
+    theirs: setup_caches may reallocate them, and a new shape compiles anew."""
+    return [not (e.orig_guard.source.is_unspecialized_nn_module() and (
+        e.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT" or e.guard_type == "TENSOR_MATCH" and not any(
+            part in e.name for part in ("k_cache", "v_cache", "rope_cos", "rope_sin")))) for e in entries]
+
+
+# Dynamo's settings while a step runs (and compiles): a float a model reads (a norm's eps) stays a constant, as the ops
+# take it, even where another model's eps met the same code before (Dynamo would make it symbolic); and more than 8
+# graphs a step (batch sizes, cache lengths, a draft's two shapes, the models of one process) are compiled, not refused.
+STEP_CONFIG = dict(specialize_float=True, recompile_limit=64)
 
 
 def compile_step(fn, device, same_rows=True, **kwargs):
-    """torch.compile(fn) with compile_options. On CUDA the outputs are cloned: the next replay of a CUDA graph
-    overwrites the outputs of the last one, and a caller keeps them across steps (a draft's K tokens)."""
-    step = torch.compile(fn, fullgraph=True, options=compile_options(device, same_rows), **kwargs)
+    """torch.compile(fn) with compile_options, run under STEP_CONFIG. On CUDA the outputs are cloned: the next replay
+    of a CUDA graph overwrites the outputs of the last one, and a caller keeps them across steps (a draft's K
+    tokens)."""
+    step = torch._dynamo.config.patch(**STEP_CONFIG)(
+        torch.compile(fn, fullgraph=True, options=compile_options(device, same_rows), **kwargs))
     if torch.device(device).type != "cuda":
         return step
 
@@ -63,9 +117,17 @@ def accept(draft, q, p, u, noise):
     return n, argmax(residual / noise)  # exponential race: samples residual / sum(residual)
 
 
-def verify(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p):
-    """Target forward over [last, d1..dK] and the acceptance rule: the compiled verify step."""
-    logits = model(tokens, input_pos)
+def forward(model, tokens, input_pos):
+    """The target's forward over a verify's [last, d1..dK]: what a compiled verify compiles (the acceptance after it,
+    a few small ops, runs as it is: compiled with it, a second K made Inductor fail on the layers' shared graph, torch
+    2.13's 'expected [s12] to have been codegen-ed', where draft and tokens tie two sizes together)."""
+    return model(tokens, input_pos)
+
+
+def verify(forward_step, model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p):
+    """forward_step(model, tokens, input_pos) (forward, compiled or not) over [last, d1..dK], then the acceptance
+    rule."""
+    logits = forward_step(model, tokens, input_pos)
     if temperature == 0:
         # accept() with one-hot p and q, without building [B, K+1, V] one-hots (a vocabulary-sized tensor a row):
         # the prefix where the draft is the argmax, then the argmax after it.
@@ -91,7 +153,7 @@ class ModelDrafter:
         self.form = form  # what the draft runs as, for the report: "int4 (FILE)", "bf16", ...
         self.cached_until = None
         self.step = self._step
-        if compile and report(model).compile_steps:
+        if compile:
             # a static graph for each of the two shapes, 1 and 2 tokens a row; its bits never touch exactness
             self.step = compile_step(self._step, model.tok_embeddings.weight.device, same_rows=False, dynamic=False)
 

@@ -5,9 +5,9 @@
 How the ranks start, join their group and end: ranks.py. This file slices a model for one rank and gives it the
 collectives.
 
-Placement (Megatron-LM's). Attention: wq, wk, wv keep the rows of this rank's heads (column parallel), wo the
-matching input columns (row parallel); the KV cache holds only this rank's KV heads. MLP: w1 and w3 column
-parallel, w2 row parallel. A row-parallel output is a partial sum, so each block half ends in one all-reduce
+Placement (Megatron-LM's). Attention: wqkv keeps the rows of this rank's heads of q, k and v (column parallel), wo
+the matching input columns (row parallel); the KV cache holds only this rank's KV heads. MLP: w13 (gate and up) keeps
+this rank's rows of each half (column parallel), w2 row parallel. A row-parallel output is a partial sum, so each block half ends in one all-reduce
 (`Block.reduce`); CodeGen adds its attention and MLP outputs before the residual, so their partial sums share
 one all-reduce per layer. Row-parallel biases are added on rank 0 only. The LM head is split by vocabulary
 rows when they divide into multiples of 16 (any kernel takes those) and the logits are all-gathered
@@ -18,8 +18,8 @@ are replicated. So a rank holds ~1/N of every weight but the norms.
 Query heads must split evenly. KV heads need not (SmolLM2 has 3): a rank keeps the KV heads its query heads
 read, so a KV head shared by two ranks is held by both.
 
-Each weight format slices itself (`keep_outputs` / `keep_inputs` of its class in quantize.py): int8 scales follow
-their rows; int4 groups and MX blocks run along in_features and a row-parallel split must fall on their boundaries
+Each weight format slices by its record (quantize.keep_outputs reads the output axis of each of its tensors, its
+class's `keep_inputs` the inputs): int8 scales follow their rows; int4 groups and MX blocks run along in_features and a row-parallel split must fall on their boundaries
 (and int4 keeps output rows in multiples of 16), else loading stops with an error naming the layer.
 
 Every rank runs the same host loop with the same seed on the same logits (an all-reduce leaves every rank
@@ -65,6 +65,10 @@ def head_plan(n_heads: int, n_kv_heads: int, rank: int, world: int) -> tuple[ran
     if any(read.count(h) != per_rank // len(kv_heads) for h in kv_heads) or per_rank % len(kv_heads):
         kv_heads = read  # uneven grouping here: one KV head per query head keeps grouped attention uniform
     return q_heads, kv_heads
+
+
+def indices(rows) -> torch.Tensor:
+    return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
 
 
 def rows_of(heads, head_dim):
@@ -117,21 +121,11 @@ def parameter(t):
     return nn.Parameter(t.contiguous(), requires_grad=False)
 
 
-def select_bias(layer, index):
-    if layer.bias is not None:
-        layer.bias = parameter(layer.bias[index])
-
-
 def select_outputs(layer, index):
     """Keep the output rows `index` of a layer (column parallel). Row slices of a mapped file stay views of it."""
-    if isinstance(layer, nn.Linear):
-        layer.weight = parameter(layer.weight[index])
-        layer.out_features = layer.weight.shape[0]
-    elif isinstance(layer, tuple(quantize.FORMATS.values())):
-        layer.keep_outputs(index)
-    else:
+    if quantize.format_of(layer) is None:
         raise InputError(f"a {type(layer).__name__} layer cannot be split by tensor parallelism")
-    select_bias(layer, index)
+    quantize.keep_outputs(layer, index)
 
 
 def select_inputs(layer, start, stop):
@@ -139,7 +133,7 @@ def select_inputs(layer, start, stop):
     if isinstance(layer, nn.Linear):
         layer.weight = parameter(layer.weight[:, start:stop])
         layer.in_features = layer.weight.shape[1]
-    elif isinstance(layer, tuple(quantize.FORMATS.values())):
+    elif isinstance(layer, quantize.MODULES):
         layer.keep_inputs(start, stop)
     else:
         raise InputError(f"a {type(layer).__name__} layer cannot be split by tensor parallelism")
@@ -166,14 +160,18 @@ def shard(model: Transformer, rank: int, world: int) -> bool:
         if rank:
             linear.bias = None  # added once, by rank 0, into the all-reduced sum
 
+    q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    qkv_rows = torch.cat([indices(q_rows), q_size + indices(kv_rows), q_size + kv_size + indices(kv_rows)])
     for i, layer in enumerate(model.layers):
         attn, ff = layer.attention, layer.feed_forward
-        for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
-            sliced(f"layers.{i}.attention.{name}", select_outputs, getattr(attn, name), rows)
+        sliced(f"layers.{i}.attention.wqkv", select_outputs, attn.wqkv, qkv_rows)
         row_parallel(f"layers.{i}.attention.wo", attn.wo, q_rows.start, q_rows.stop)
         attn.n_heads, attn.n_kv_heads = len(q_heads), len(kv_heads)
-        for name in ("w1", "w3") if ff.gated else ("w1",):
-            sliced(f"layers.{i}.feed_forward.{name}", select_outputs, getattr(ff, name), mlp)
+        if ff.gated:  # this rank's rows of the gate, then of the up projection
+            rows = torch.cat([indices(mlp), args.intermediate_size + indices(mlp)])
+            sliced(f"layers.{i}.feed_forward.w13", select_outputs, ff.w13, rows)
+        else:
+            sliced(f"layers.{i}.feed_forward.w1", select_outputs, ff.w1, mlp)
         row_parallel(f"layers.{i}.feed_forward.w2", ff.w2, mlp.start, mlp.stop)
     split_vocab = args.vocab_size % (16 * world) == 0
     if split_vocab:

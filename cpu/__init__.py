@@ -1,117 +1,252 @@
-"""The CPU backend: few_rows.cpp's kernels serve a model.py model's decode, draft and verify steps, where they
-prove to compute what model.py computes.
+"""The CPU backend: few_rows.cpp's kernels for model.py's ops and for every weight format's product.
 
     apply(model)  # loading.load_model does this on CPU with --backend auto (the default), after the model's
-                  # final dtype and device (a later .to() would leave the backend's copies behind)
+                  # final dtype and device
 
-In order: gate.py (may it serve this model at all: module types, config fields, the math of what its kernels
-replace), verdicts.py (was this model, code, CPU and torch checked before), canary.py (model.py in PyTorch against
-the served model, bit for bit where they must agree), serving.py (the swap, and the way back). On a mismatch the
-model is put back as it was, one line says why, and it runs on model.py's PyTorch path. apply returns the backend's
-report (backend.Report), kept with the model: what callers read, never the modules it swapped in.
+It builds the kernels for this CPU (kernels.py: once per source, flags, torch and CPU), then holds each kernel this
+model needs to its reference on a few random rows (spot_check: under a second; the tests hold every kernel to its
+reference at every row count). Those that pass serve: model.py's rms_norm and attention ops get their CPU kernel, for
+the process (serve), and each product module of a format that passed is replaced, by assignment, with a `Linear`
+holding its weight in this CPU's layout (few_rows::layout, from the file's tensors), whose forward is one call. What
+does not pass runs its reference, with one line saying why. The model's forward stays model.py's, eager or compiled:
+a fork's edit is Python that runs as written around the same ops.
 """
+import contextlib
+import functools
 import sys
 import time
 
 import torch
+import torch.nn as nn
 
 import backend
-import ranks
+import model as model_py
+import mx
+import quantize
 from checkpoint import release_file_pages
 from cpu import kernels
-from cpu.canary import check_and_serve
-from cpu.gate import ATTEND, ONE_CALL, REPLACED, edited, one_call_possible, served, unsupported
-from cpu.modules import PRODUCTS
-from cpu.one_call import model_py_parts, only_the_mlp
-from cpu.serving import serve, served_report
-from cpu.verdicts import remember, remembered, verdict_key
+from cpu.huge_pages import HugePages, give_back_heap
 
-__all__ = ["apply"]
+__all__ = ["apply", "references"]
+
+TOLERANCE = 0.01  # a kernel against its reference: the RMS of their difference over the reference's RMS
+OPS = ("rms_norm", "attention")  # model.py's ops that few_rows.cpp has kernels for
+served_ops = set()  # those whose kernel is registered in this process (serve)
+checks = {}  # spot_check's verdicts, once per process: {kernel: None where it serves, else why not}
 
 
 def warn(message, runs="the model runs on model.py's PyTorch path"):
     backend.warn("CPU", message, runs)
 
 
-AROUND = "steps run model.py's forward around its kernels"
+class Linear(nn.Module):
+    """A product on few_rows.cpp: the weight of a format's module (quantize.Format) laid out for this CPU at load
+    (column tiles, 16 outputs in a vector's lanes: bf16 in pairs, integer codes as exact integer sums), any number of
+    rows, each row computed as it would be alone."""
+
+    def __init__(self, module: nn.Module, fmt: quantize.Format, layout=-1):
+        """layout: one of few_rows's layouts (cpu/few_rows/linear.h), or -1 for this CPU's choice."""
+        super().__init__()
+        # (its weight's rows: a tied head split by tensor parallelism keeps nn.Linear's out_features of the whole)
+        self.in_features, self.out_features, self.mode = module.in_features, module.weight.shape[0], fmt.mode
+        factors = getattr(module, "scales_and_zeros", getattr(module, "scales", None))
+        values, bits, multiple = None, 0, 0
+        if fmt.element is not None:  # the values of its element codes, as mx.py defines them
+            bits, multiple = fmt.element.bits, fmt.element.integer_multiple or 0
+            values = mx.decode_elements(torch.arange(1 << bits, dtype=torch.int32).to(torch.uint8), fmt.element)
+        layout, weight, factors, table = torch.ops.few_rows.layout(
+            fmt.code, module.weight.detach(), None if factors is None else factors.detach(), values, bits, multiple,
+            layout)
+        self.layout = layout
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("factors", factors, persistent=False)
+        self.register_buffer("table", table, persistent=False)
+        self.register_buffer("bias", None if module.bias is None else module.bias.detach().float(), persistent=False)
+
+    def forward(self, x):
+        return torch.ops.few_rows.linear(x, self.layout, self.weight, self.factors, self.table, self.bias,
+                                         self.out_features)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}, layout {self.layout}"
+
+
+def serve(op: str, on: bool):
+    """Register (or take back) few_rows.cpp's kernel as the CPU kernel of model.py's op `op`, for the process."""
+    torch.ops.few_rows.serve(op, on)
+    (served_ops.add if on else served_ops.discard)(op)
+
+
+@contextlib.contextmanager
+def references():
+    """model.py's ops run their references (PyTorch) inside the block, whatever the backend registered."""
+    held = set(served_ops)
+    for op in held:
+        serve(op, False)
+    try:
+        yield
+    finally:
+        for op in held:
+            serve(op, True)
+
+
+def relative_error(want, got) -> float:
+    want, got = want.float(), got.float()
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp(min=1e-30)).item()
+
+
+def same_rows(rows, n) -> bool:
+    """Whether rows(0, n), a kernel's output for n rows, holds each row as rows(i, i + 1) gives it alone, bit for bit
+    (the rows along dimension -2 of the output)."""
+    together = rows(0, n)
+    return all(torch.equal(together[..., i:i + 1, :], rows(i, i + 1)) for i in range(n))
+
+
+def product_kernel(module) -> tuple:
+    """What names a product's kernel and layout for the spot check: its format, dtype, group, whether its inputs fill
+    blocks of 32."""
+    fmt = quantize.format_of(module)
+    return ("product", fmt.mode, module.weight.dtype if fmt.code == quantize.PLAIN else None,
+            getattr(module, "groupsize", None), module.in_features % 32 == 0)
+
+
+def random_product(kernel, dtype):
+    """A small product module of a kernel's format with random weights (in_features a multiple of 32 or not, as the
+    kernel's), and its reference: itself."""
+    _, mode, weight_dtype, groupsize, blocks = kernel
+    g = torch.Generator().manual_seed(0)
+    k, n = (max(64, 2 * (groupsize or 0)) if blocks else 48), 48
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    bias = torch.randn(n, generator=g).to(dtype)
+    if mode == "plain":
+        module = nn.Linear(k, n).to(weight_dtype)
+        module.weight.data.copy_(w), module.bias.data.copy_(bias)
+        return module
+    with torch.device("meta"):
+        module = quantize.quantized_linear(mode, nn.Linear(k, n, bias=True), groupsize or 32)
+    module.load_state_dict(dict(quantize.quantize_tensor(mode, w, groupsize or 32), bias=bias), assign=True)
+    return module
+
+
+def spot_check(kernel, dtype) -> str | None:
+    """A kernel this CPU runs against its reference on a few random rows: every row as it is alone, bit for bit, and
+    within TOLERANCE of the reference. -> None where it serves, else why not. Once per process and kernel."""
+    if (kernel, dtype) in checks:
+        return checks[kernel, dtype]
+    g = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+    n = 5  # rows: a verify of K = 4
+    try:
+        if kernel[0] == "product":
+            reference = random_product(kernel, dtype)
+            served, x = Linear(reference, quantize.format_of(reference)), randn(1, n, reference.in_features)
+
+            def rows(a, b, product=served):
+                return product(x[:, a:b])
+            reference_rows = functools.partial(rows, product=reference)
+        elif kernel == "rms_norm":
+            x, weight = randn(1, n, 96) * 4, randn(96)
+
+            def rows(a, b, norm=torch.ops.few_rows.rms_norm):
+                return norm(x[:, a:b], weight, 1e-5)
+            reference_rows = functools.partial(rows, norm=model_py.rms_norm)
+        else:  # attention: 2 KV heads of 3 query heads each, over a cache of 40 slots
+            q, k, v = randn(1, 2, 3, n, 64), randn(1, 2, 40, 64), randn(1, 2, 40, 64)
+            positions = torch.arange(20, 20 + n)[None]
+
+            def rows(a, b, attend=torch.ops.few_rows.attention):
+                y = attend(q[:, :, :, a:b].reshape(1, 2, 3 * (b - a), 64), k, v, positions[:, a:b], 0.125)
+                return y.view(1, 2, 3, b - a, 64)
+            reference_rows = functools.partial(rows, attend=model_py.attention)
+        with torch.no_grad():
+            if not same_rows(rows, n):
+                verdict = "its rows differ from the same rows computed alone"
+            else:
+                error = relative_error(reference_rows(0, n), rows(0, n))
+                verdict = None if error <= TOLERANCE else f"it differs from its reference by {error:.2g} (bound " \
+                                                          f"{TOLERANCE})"
+    except RuntimeError as e:  # a kernel that refuses what it was given
+        verdict = str(e).strip().splitlines()[0][:160]
+    checks[kernel, dtype] = verdict
+    return verdict
 
 
 def apply(transformer, mapped=None, phases=None) -> backend.Report:
-    """Serve a loaded model's CPU steps with few_rows.cpp after checking them against model.py; its report (model.py's
-    own where it does not serve, with one warning line where it refused). `mapped`: the model's tensors as mapped
-    from its file, whose pages each layer gives back once its weights are copied. The canary's verdict is
-    remembered per (weights, code, CPU, torch) (see verdict_key), so only a model's first load pays for it.
-    `phases`: a dict that gets the seconds each part took."""
-    return backend.attach(transformer, try_to_serve(transformer, {} if phases is None else phases, mapped or {}))
+    """Serve a loaded model on CPU with few_rows.cpp where its kernels pass their spot check; its report (model.py's
+    own where nothing serves, with one warning line for each kernel refused). `mapped`: the model's tensors as mapped
+    from its file, whose pages each layer gives back once its weights are laid out. `phases`: a dict that gets the
+    seconds each part took."""
+    phases = {} if phases is None else phases
+    return backend.attach(transformer, try_to_serve(transformer, phases, mapped or {}))
 
 
 def try_to_serve(transformer, phases, mapped) -> backend.Report:
+    dtype = transformer.tok_embeddings.weight.dtype
     if transformer.tok_embeddings.weight.device.type != "cpu":
         return backend.torch_report(transformer)
-    if transformer.tok_embeddings.weight.dtype == torch.float16:
+    if dtype == torch.float16:
         reason = "none of its kernels takes fp16, and PyTorch's fp16 products on a CPU are slow (SmolLM2: 3 tok/s)"
-        warn(reason + "; --dtype bf16 (the default) or fp32 are served", "the model runs on model.py's PyTorch path")
-        return backend.torch_report(transformer, reason)
-    products = [m for m in transformer.modules() if type(m) in PRODUCTS and served(m)]
-    if not products:
-        return backend.torch_report(transformer)
-    reason = unsupported(transformer)
-    if reason:
-        warn(reason)
+        warn(reason + "; --dtype bf16 (the default) or fp32 are served")
         return backend.torch_report(transformer, reason)
     start = time.perf_counter()
     if not kernels.load():
         return backend.torch_report(transformer, "few_rows.cpp did not build")
     phases["kernels"] = time.perf_counter() - start
-    step = one_call_possible(transformer, set(products))
-    changed = edited({**(ONE_CALL if step else {}), **{name: REPLACED[name] for name in ATTEND}})
-    edits = {name for name, _ in changed}
-    if changed:
-        name, why = changed[0]
-        parts = model_py_parts(edits) if step else "attention"
-        if step and only_the_mlp(edits):
-            steps = "each step one few_rows.cpp call that runs model.py's code for the MLP"
+    start = time.perf_counter()
+    products = {name: m for name, m in transformer.named_modules() if quantize.format_of(m) is not None}
+    refused = {}  # kernel: why
+    for op in OPS:
+        why = spot_check(op, dtype)
+        if why is None:
+            serve(op, True)
         else:
-            steps = "steps run model.py's forward" + (f", its {parts} as model.py's code" if parts else "") \
-                + ", the rest in few_rows.cpp's calls"
-        warn(f"{name} is not the math its {'kernels implement' if name in ATTEND else 'one-call step implements'}: "
-             f"{why}", steps)
+            refused[f"model.py's {op}"] = why
+    for kernel in sorted({product_kernel(m) for m in products.values()}, key=str):
+        why = spot_check(kernel, dtype)
+        if why is not None:
+            refused[f"{kernel[1]} products"] = why
+    phases["check"] = time.perf_counter() - start
+    for what, why in refused.items():
+        warn(f"{what}: {why}", f"{what} run model.py's reference")
     start = time.perf_counter()
-    key = verdict_key(transformer)
-    known = remembered(key)
-    phases["verdict lookup"] = time.perf_counter() - start
-    if known is not None:
-        if known["reason"]:
-            warn(known["reason"] + " (remembered from its check; any edit to the code checks again)")
-            return backend.torch_report(transformer, known["reason"])
-        start = time.perf_counter()
-        release_file_pages(mapped.values())
-        one_call = known.get("one_call", True)
-        if isinstance(one_call, str):
-            warn(f"{one_call} (remembered from its check)", AROUND)
-        _, parts = serve(transformer, products, mapped, not isinstance(one_call, str))
-        if parts is not None:
-            parts.install(edits)
-        phases["serve"] = time.perf_counter() - start
-        return served_report(transformer, products, model_py_parts(edits))
-    say = ranks.is_rank0()  # under torchrun, rank 0 speaks for all
-    if say:
-        print("CPU backend: checking its kernels against model.py on this model (once per weights, code, CPU and "
-              "torch)...", end="", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    try:
-        reason, one_call = check_and_serve(transformer, products, mapped, phases, edits)
-    except BaseException:
-        if say:
-            print(" interrupted", file=sys.stderr)
-        raise
-    phases["check"] = time.perf_counter() - start - phases.get("serve", 0.0)
-    if say:
-        print(f" {'refused' if reason else 'serves'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    if isinstance(one_call, str) and not reason:
-        warn(one_call, AROUND)
-    remember(key, reason, one_call)
-    if reason:
-        warn(reason)
-        return backend.torch_report(transformer, reason)
-    return served_report(transformer, products, model_py_parts(edits))
+    served = serve_products(transformer, products, mapped, refused)
+    phases["serve"] = time.perf_counter() - start
+    if not served and not served_ops:
+        return backend.torch_report(transformer, "; ".join(refused.values()))
+    modes = sorted({m.mode for m in served})
+    ops = [op for op in OPS if op in served_ops]
+    return backend.Report(
+        name="cpu", serves=f"few_rows.cpp: {len(served)} products ({', '.join(modes)}), "
+                           f"{' and '.join(ops) or 'no op'} ({', '.join(torch.ops.few_rows.features()) or 'portable'})",
+        sizes_threads=True,  # each output is summed by one thread: the results do not depend on the thread count
+        step_bytes=backend.step_bytes(transformer), held_bytes=backend.held_bytes(transformer),
+        max_verify_tokens=backend.LONGEST_VERIFY,
+        fallback="; ".join(f"{what}: {why}" for what, why in refused.items()) or None)
+
+
+def serve_products(transformer, products, mapped, refused) -> list[Linear]:
+    """Replace every product whose kernel passed with a Linear of this CPU's layout, layer by layer: their weights in
+    huge pages, each layer's file pages given back once laid out. -> the Linears"""
+    pages, served = HugePages(), []
+    tied = transformer.args.tie_embeddings
+    for prefix, part in [(f"layers.{i}.", layer) for i, layer in enumerate(transformer.layers)] + [("", None)]:
+        names = [n for n in products if n.startswith(prefix)] if part is not None else ["output"]
+        for name in names:
+            module = products.pop(name, None)
+            kernel = None if module is None else product_kernel(module)
+            if module is None or f"{kernel[1]} products" in refused:
+                continue
+            linear = Linear(module, quantize.format_of(module))
+            for buffer in ("weight", "factors"):  # what a step streams, in 2 MiB pages (docs/how-it-works.md)
+                t = getattr(linear, buffer)
+                if t is not None:
+                    setattr(linear, buffer, pages.empty(t.shape, t.dtype).copy_(t))
+            parent, _, child = name.rpartition(".")
+            setattr(transformer.get_submodule(parent), child, linear)
+            served.append(linear)
+        release_file_pages(t for n, t in mapped.items() if n.startswith(prefix or "output.")
+                           or (tied and not prefix and n == "tok_embeddings.weight"))
+        give_back_heap()
+    return served

@@ -10,16 +10,28 @@ import torch
 HUGE_PAGE = 2 << 20
 
 
+class Region:
+    """nbytes of private anonymous memory, 2 MiB-aligned and advised for transparent huge pages where the OS has them
+    (Linux; a shared mapping would not get them), else plain memory; carve(offset, nbytes) gives a part of it as a
+    uint8 tensor with a storage of its own (a compiled step refuses inputs that share one), which keeps the region
+    alive."""
+
+    def __init__(self, nbytes: int):
+        self.size = nbytes
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.buffer.madvise(mmap.MADV_HUGEPAGE)
+            self.start = -torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+        else:
+            self.buffer, self.start = bytearray(nbytes), 0
+
+    def carve(self, offset: int, nbytes: int) -> torch.Tensor:
+        return torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes, offset=self.start + offset)
+
+
 def huge_page_memory(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes] of private anonymous memory, 2 MiB-aligned and advised for transparent huge pages where the
-    OS has them (Linux; a shared mapping would not get them), else plain memory."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region alive as long as a view of it lives
-    start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + nbytes]
+    """uint8 [nbytes] in a region of its own (Region)."""
+    return Region(nbytes).carve(0, nbytes)
 
 
 def give_back_heap():
@@ -38,30 +50,12 @@ class HugePages:
     4 KiB pages. A region's unused end is never touched, so it costs no memory."""
 
     def __init__(self, chunk=64 << 20):
-        self.chunk, self.memory, self.offset = chunk, None, 0
+        self.chunk, self.region, self.offset = chunk, None, 0
 
     def empty(self, shape, dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
-        if self.memory is None or self.offset + nbytes > self.memory.numel():
-            self.memory, self.offset = huge_page_memory(max(self.chunk, nbytes)), 0
-        tensor = self.memory[self.offset:self.offset + nbytes].view(dtype).view(shape)
+        if self.region is None or self.offset + nbytes > self.region.size:
+            self.region, self.offset = Region(max(self.chunk, nbytes)), 0
+        tensor = self.region.carve(self.offset, nbytes).view(dtype).view(shape)
         self.offset += -(-nbytes // 64) * 64
         return tensor
-
-
-def move_to_huge_pages(products, pages: HugePages):
-    """Copy what few_rows.cpp streams for these products (or stacks, in call order) into huge pages, and point them
-    at the copies. The weights a step reads otherwise sit in 4 KiB pages, of the mapped file or of the heap: a TLB
-    miss every 4 KiB of a stream that reads ~30 GB/s (docs/performance.md has what that cost). One tensor at a
-    time, each old copy freed before the next is made: loading holds at most one tensor twice. -> products"""
-    for p in products:
-        for i in range(2):
-            operands = list(p.operands()[:2])
-            old = operands[i]
-            if old is None:
-                continue
-            operands[i] = pages.empty(old.shape, old.dtype)
-            operands[i].copy_(old)
-            del old
-            p.use_operands(*operands)
-    return products

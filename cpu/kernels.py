@@ -11,13 +11,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")  # one translation unit of the headers in few_rows/
-# A step: decode (1 token a row), draft catch-up (2) or verify (K + 1: at most backend.LONGEST_VERIFY). few_rows.cpp
-# computes each row of a step by itself, whatever the number of rows, so a verify's rows are bit for bit a decode
-# step's; up to 33 tokens a row it takes them (a step's products stay on its kernels well past the longest verify).
-STEP_TOKENS = 33
 loaded = None  # whether the ops are loaded; None: not tried yet
 built = None  # the name of the build loaded (build_name)
 
@@ -173,61 +168,9 @@ def load() -> bool:
         loaded = False
         return False
     # Shapes for torch.compile, which traces without running the kernels.
-    def rows_by_outputs(x, weight, factors=None, table=None):
-        return x.new_empty(x.shape[0], outputs(weight))
-    torch.library.register_fake("few_rows::product")(rows_by_outputs)
-    torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions: torch.empty_like(q))
-    torch.library.register_fake("few_rows::llama_step")(
-        lambda tokens, positions, embeddings, *rest: embeddings.new_empty(*tokens.shape, outputs(rest[3][-1])))
     torch.library.register_fake("few_rows::linear")(
-        lambda x, weight, factors, table, bias, n: x.new_empty(*x.shape[:-1], n))
-    torch.library.register_fake("few_rows::attention_block")(lambda x, *rest: torch.empty_like(x))
-    torch.library.register_fake("few_rows::mlp_block")(lambda x, *rest: torch.empty_like(x))
-    torch.library.register_fake("few_rows::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
-    torch.library.register_fake("few_rows::attention_output")(lambda x, *rest: torch.empty_like(x))
-    torch.library.register_fake("few_rows::attention_queries")(
-        lambda x, positions, cos, sin, qkv, f, t, b, k_cache, v_cache, n_heads, n_kv_heads, norm, eps: x.new_empty(
-            x.shape[0], n_kv_heads, n_heads // n_kv_heads * x.shape[1], k_cache.shape[-1]))
+        lambda x, layout, weight, factors, table, bias, outputs: x.new_empty(*x.shape[:-1], outputs))
+    torch.library.register_fake("few_rows::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
+    torch.library.register_fake("few_rows::attention")(lambda q, k, v, positions, scale: q.new_empty(q.shape))
     loaded = True
     return True
-
-
-def step_rows(x) -> bool:
-    """Whether x [..., T, K] holds the rows of a step (T <= STEP_TOKENS), which few_rows.cpp computes one by one."""
-    return x.dim() >= 2 and x.shape[-2] <= STEP_TOKENS
-
-
-TILE = 16  # output columns a column tile holds (few_rows/columns.h)
-
-
-def outputs(weight) -> int:
-    """The output features of a weight as few_rows.cpp takes it: [N, ...], or column tiles [N / 16, K / 32, bytes]."""
-    return weight.shape[0] * TILE if weight.dim() == 3 else weight.shape[0]
-
-
-def product(x, weight, factors=None, table=None):
-    """x [..., K] @ (weight [N, K] x factors).T in float32; factors: [N] or [N, K / block]. With a table
-    (packed MX 6-bit codes): weight holds the codes of the table's values, factors their E8M0 scales. Integer codes:
-    weight holds column tiles (cpu.modules.int4_tiles, int8_tiles, fp6_tiles), the factors laid out by tiles too;
-    x is rounded as quantize.round_activations rounds it."""
-    rows = x.reshape(-1, x.shape[-1])
-    rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
-    return torch.ops.few_rows.product(rows, weight, factors, table).view(*x.shape[:-1], outputs(weight))
-
-
-def linear(x, weight, factors, table, bias, outputs):
-    """A product as a Linear module's forward returns it, in one call: x [..., K] (bf16 or float32) times the weight
-    (as product takes it), plus the bias (float32, or None), -> [..., outputs] in x's dtype."""
-    return torch.ops.few_rows.linear(x, weight, factors, table, bias, outputs)
-
-
-# Without native bf16 (AVX2), the CPU runs a 16-bit GEMM several times slower than a float32 one, conversions
-# included (docs/performance.md, "Numbers behind the code's choices").
-GEMM_IN_FLOAT32 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def many_rows(x, weight, bias=None):
-    """F.linear for a prompt's rows, in x's dtype: where the CPU lacks native bf16, float32 rounded once."""
-    if x.dtype in (torch.bfloat16, torch.float16) and GEMM_IN_FLOAT32:
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -2,9 +2,9 @@
 
     python scripts/bench.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --dtype bf16
 
-Rows: this project's compiled decode (with the CPU backend a Llama-family model's step is one few_rows.cpp call,
-which needs no compiling: its "compile s" is the warm-up alone), its eager decode, and `transformers`' generate on
-the same weights;
+Rows: this project's compiled decode (model.py's forward compiled around the backend's kernels; its "compile s" is
+the cold compile, timed with an empty Inductor cache), its eager decode, and `transformers`' generate on the same
+weights;
 quant-MODE rows run the checkpoint's quantized files (quantize.py), llama.cpp runs a GGUF when llama-cpp-python
 is installed, spec-* rows speculate (spec-MODE: the target drafted by its own quantized file; spec-draft: by
 --draft_checkpoint, another model; spec-draft.MODE: by the draft's quantized file), and quant-MODE+spec-* rows
@@ -62,7 +62,7 @@ import cpu  # noqa: E402
 from decoding import Steps, generate, plan, presize_caches  # noqa: E402
 from loading import DTYPES, apply_backend, check_device, load_model, make_drafter  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from prompts import humaneval_tasks  # noqa: E402
+from cli import humaneval_tasks  # noqa: E402
 from speculative import ModelDrafter, expected_speedup  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -125,8 +125,8 @@ def random_model(config, device, dtype, mode=None, backend="auto"):
     model.tie_weights()
     if mode:
         quantize.quantize_model(model, mode)
-    if backend == "auto":
-        apply_backend(model)
+    if backend != "torch":
+        apply_backend(model, name=backend)
     return model
 
 
@@ -459,6 +459,7 @@ def report_contended(setups, idle, busy, runs):
 def bench(opts):
     rows = opts.rows.split(",")
     check_rows(rows, opts)
+    torch._dynamo.config.recompile_limit = 64  # every row compiles the same step functions for its own model
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile, unless the caller chose a cache
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
         atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
@@ -518,8 +519,8 @@ def main(argv=None):
     p.add_argument("--speculate_k", default="4")
     p.add_argument("--gguf", help="GGUF file for the optional llama.cpp row (needs llama-cpp-python)")
     p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")
-    p.add_argument("--backend", default="auto", choices=("auto", "torch"),
-                   help="auto: the CPU backend where it serves (as generate.py); torch: model.py alone")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "aten"),
+                   help="auto: the device's backend (as generate.py); torch: model.py alone; aten: CUDA's aten kernels")
     p.add_argument("--contended", action="store_true",
                    help="time every row idle and beside a busy process, and report both")
     cli.run(bench, p.parse_args(argv))

@@ -1,13 +1,15 @@
-"""What a fork's edit to model.py costs on the CPU backend, side by side in one process.
+"""What a fork's edit to model.py costs, on the CPU backend with --compile: the shipped model and four forks as a user
+would make them, each edited in the source of one function of model.py, decoded in alternating fresh processes.
 
-    python scripts/bench_fork.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct
+    python scripts/bench_fork.py --checkpoint_path checkpoints/qwen2.5-coder-1.5b
 
-Three models from one checkpoint: model.py as shipped, and two forks as a user would make them, each edited in the
-source of one function: the MLP's activation (SiLU -> GELU, model.FeedForward.forward) and attention's scale (x 0.9,
-model.Attention.attend). The backend serves each with what its kernels still implement (the edited function runs
-as model.py's code: docs/how-it-works.md, "A fork keeps its speed"). They decode the same prompt greedily, taking
-turns, so the host's drift reaches them alike; reported: each one's median decode tok/s and its share of the
-unedited model's, and whether speculation (n-gram drafts, K = 4) gave its plain tokens.
+The forks: RMSNorm's eps (x 10, model.RMSNorm.forward), the MLP's activation (SiLU -> GELU, model.FeedForward.forward),
+rotary (the other direction, model.apply_rotary) and attention's scale (x 0.9, model.Attention.attend). Each is plain
+Python that the compiled step runs around the same kernels. A process per run: Dynamo does not guard on a class's
+methods, so a step compiled for one model.py would run for another in the same process. Each process loads the
+checkpoint, compiles (from Inductor's cache after the first run of its fork), decodes the prompt greedily, and checks
+that speculation (n-gram drafts, K = 4) gives the plain tokens. Reported: each one's median decode tok/s, its share of
+the shipped model's, and whether speculation was exact in every run.
 """
 import sys
 from pathlib import Path
@@ -18,84 +20,72 @@ import cli  # noqa: E402
 if __name__ == "__main__":
     cli.quiet_interrupts()  # Ctrl-C during the imports below: one line, not a traceback
 
-import contextlib  # noqa: E402
-import inspect  # noqa: E402
-import linecache  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
-import textwrap  # noqa: E402
+import subprocess  # noqa: E402
 
-import torch  # noqa: E402
-
-import backend  # noqa: E402
-import model  # noqa: E402
-from checkpoint import OneLineErrors, resolve_checkpoint  # noqa: E402
-from decoding import Steps, generate  # noqa: E402
-from loading import DTYPES, load_model  # noqa: E402
-from speculative import NgramDrafter  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
 
 # (name, the function edited, the text replaced, what replaces it)
-EDITS = [("activation", model.FeedForward, "forward", "F.silu(self.w1(x))", "F.gelu(self.w1(x), approximate=\"tanh\")"),
-         ("attention scale", model.Attention, "attend", "attn_mask=mask)",
-          "attn_mask=mask, scale=0.9 / q.shape[-1] ** 0.5)")]
+EDITS = {"as shipped": None,
+         "RMSNorm eps": ("RMSNorm.forward", "self.weight, self.eps)", "self.weight, self.eps * 10)"),
+         "activation": ("FeedForward.forward", "F.silu(gate)", "F.gelu(gate, approximate=\"tanh\")"),
+         "rotary": ("apply_rotary", "x1 * cos - x2 * sin, x2 * cos + x1 * sin", "x1 * cos + x2 * sin, x2 * cos - x1 * sin"),
+         "attention scale": ("Attention.attend", "q.shape[-1] ** -0.5)", "0.9 * q.shape[-1] ** -0.5)")}
 
-
-def edited(owner, name, old, new):
-    """The function a fork's model.py would define with `old` replaced by `new` in `owner.name`'s source (its source
-    readable, as the backend's fingerprints read it)."""
-    source = textwrap.dedent(inspect.getsource(getattr(owner, name)))
-    assert old in source, f"{owner.__name__}.{name} no longer holds {old!r}"
-    source = source.replace(old, new)
-    filename = f"<fork of model.py: {owner.__name__}.{name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+ONE_RUN = """
+import inspect, json, sys, textwrap, time
+root, checkpoint, edit, prompt, new_tokens, dtype = sys.argv[1:]
+sys.path.insert(0, root)
+import torch
+import model
+edit = json.loads(edit)
+if edit:  # the function as a fork's model.py defines it
+    name, old, new = edit
+    owner, _, attribute = name.rpartition(".")
+    target = getattr(model, owner) if owner else model
+    source = textwrap.dedent(inspect.getsource(getattr(target, attribute)))
+    assert old in source, f"model.{name} no longer holds {old!r}"
     namespace = {}
-    exec(compile(source, filename, "exec"), vars(model), namespace)
-    return namespace[name]
-
-
-@contextlib.contextmanager
-def fork(edit):
-    """model.py as the fork has it, while the block runs (None: as shipped)."""
-    if edit is None:
-        yield
-        return
-    owner, name, function = edit
-    shipped = getattr(owner, name)
-    setattr(owner, name, function)
-    try:
-        yield
-    finally:
-        setattr(owner, name, shipped)
+    exec(compile(source.replace(old, new), f"<fork of model.{name}>", "exec"), vars(model), namespace)
+    setattr(target, attribute, namespace[attribute])
+from checkpoint import resolve_checkpoint
+from decoding import Steps, generate
+from loading import DTYPES, load_model
+from speculative import NgramDrafter
+from tokenizer import Tokenizer
+m = load_model(checkpoint, "cpu", DTYPES[dtype])
+ids = Tokenizer(resolve_checkpoint(checkpoint)[0]).encode(prompt)
+steps = Steps(compile=True)
+generate(m, [ids], 4, steps)
+generate(m, [ids], 9, steps, drafter=NgramDrafter(), speculate_k=4)
+rows, stats = generate(m, [ids], int(new_tokens), steps)
+drafted, _ = generate(m, [ids], int(new_tokens), steps, drafter=NgramDrafter(), speculate_k=4)
+print(json.dumps(dict(rate=(len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]), exact=drafted == rows)))
+"""
 
 
 def measure(opts):
-    ckpt_dir, _ = resolve_checkpoint(opts.checkpoint_path)
-    prompt = Tokenizer(ckpt_dir).encode(opts.prompt)
-    forks = {"as shipped": None}
-    forks.update({label: (owner, name, edited(owner, name, old, new)) for label, owner, name, old, new in EDITS})
-    models = {}
-    for label, edit in forks.items():
-        with fork(edit):
-            models[label] = load_model(opts.checkpoint_path, "cpu", DTYPES[opts.dtype])
-        print(f"{label}: {backend.report(models[label]).serves}", flush=True)
-    rates = {label: [] for label in forks}
-    exact = {}
-    steps = Steps()
-    for repeat in range(opts.repeats + 1):  # the first warms up
-        for label, edit in forks.items():
-            with fork(edit), torch.no_grad():
-                rows, stats = generate(models[label], [prompt], opts.max_new_tokens, steps)
-                if repeat == 0:
-                    drafted, _ = generate(models[label], [prompt], opts.max_new_tokens, steps,
-                                          drafter=NgramDrafter(), speculate_k=4)
-                    exact[label] = drafted == rows
-                else:
-                    rates[label].append((len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]))
+    resolve_checkpoint(opts.checkpoint_path)
+    if opts.repeats < 1:
+        raise InputError(f"--repeats {opts.repeats}: must be at least 1")
+    rates, exact = {label: [] for label in EDITS}, {label: True for label in EDITS}
+    for _ in range(opts.repeats):
+        for label, edit in EDITS.items():
+            result = subprocess.run([sys.executable, "-c", ONE_RUN, str(Path(__file__).resolve().parent.parent),
+                                     opts.checkpoint_path, json.dumps(edit), opts.prompt, str(opts.max_new_tokens),
+                                     opts.dtype], capture_output=True, text=True)
+            if result.returncode:
+                raise InputError(f"{label}: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+            run = json.loads(result.stdout.strip().splitlines()[-1])
+            rates[label].append(run["rate"])
+            exact[label] &= run["exact"]
+            print(f"{label}: {run['rate']:.2f} tok/s", flush=True)
     base = statistics.median(rates["as shipped"])
-    print("| model.py | decode tok/s | x as shipped | speculation exact |\n|---|---|---|---|")
-    for label in forks:
+    print("| model.py | decode tok/s (median) | x as shipped | speculation exact |\n|---|---|---|---|")
+    for label in EDITS:
         rate = statistics.median(rates[label])
-        print(f"| {label} | {rate:.1f} | {rate / base:.2f} | {'yes' if exact[label] else 'NO'} |")
+        print(f"| {label} | {rate:.2f} | {rate / base:.2f} | {'yes' if exact[label] else 'NO'} |")
 
 
 def main(argv=None):
@@ -103,8 +93,8 @@ def main(argv=None):
     parser.add_argument("--checkpoint_path", default="checkpoints/SmolLM2-135M-Instruct")
     parser.add_argument("--prompt", default="def fibonacci(n):")
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each model.py, taking turns")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     cli.run(measure, parser.parse_args(argv))
 
 

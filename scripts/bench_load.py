@@ -1,12 +1,13 @@
-"""What a user waits for before the first token: load_model in fresh processes, per file and backend.
+"""What a user waits for before the first token: load_model, and the compile of the decode and verify steps, in fresh
+processes, per file.
 
     python scripts/bench_load.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --files bf16,int8,mxfp6
 
-Each cell is one new Python process that imports the project and times `load_model` and then one forward (the
-first token's prefill): the cell is their sum. `auto, first` runs with an empty verdict cache (the CPU backend checks
-itself), `auto, later` with the cache the first run left. Rows take turns run by run, so a drifting machine reaches
-them alike.
---repo times another checkout's load_model (a commit before a change, say) on the same files.
+Each cell is one new Python process that imports the project, times `load_model` (the CPU backend's spot checks and
+layouts included), then generates a few tokens greedily, plainly and with a verify of K = 7 (n-gram drafts): eager,
+or compiled (`--compile`: the decode and the verify step each compiled once) with an empty Inductor cache (cold) and
+then with the cache the cold run left (cached), as a second run of the same command finds it. Rows take turns run by
+run, so a drifting machine reaches them alike. --repo times another checkout (a commit before a change, say).
 """
 import sys
 from pathlib import Path
@@ -27,24 +28,28 @@ from quantize import MODES  # noqa: E402
 
 ONE_LOAD = """
 import json, sys, time
-repo, path, backend = sys.argv[1:4]
+repo, path, compile = sys.argv[1], sys.argv[2], sys.argv[3] == "compile"
 sys.path.insert(0, repo)
 start = time.perf_counter()
 import torch
 from loading import load_model
+from decoding import Steps, generate
+from speculative import NgramDrafter
 imported = time.perf_counter()
-model = load_model(path, "cpu", torch.bfloat16, backend=backend)
+model = load_model(path, "cpu", torch.bfloat16)
 loaded = time.perf_counter()
-with torch.no_grad():
-    model.setup_caches(1, 64)
-    model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None])
-print(json.dumps(dict(imports=imported - start, load=loaded - imported, first_forward=time.perf_counter() - loaded)))
+steps = Steps(compile=compile)
+prompt = list(range(100, 116)) * 2
+generate(model, [prompt], 3, steps)
+generate(model, [prompt], 9, steps, drafter=NgramDrafter(), speculate_k=7)
+print(json.dumps(dict(imports=imported - start, load=loaded - imported, steps=time.perf_counter() - loaded)))
 """
+KINDS = ("eager", "compiled, cold", "compiled, cached")
 
 
-def one_load(repo, path, backend, cache) -> dict:
-    result = subprocess.run([sys.executable, "-c", ONE_LOAD, str(repo), str(path), backend], capture_output=True,
-                            text=True, env=dict(os.environ, FASTDECODE_CACHE=str(cache)))
+def one_load(repo, path, kind, cache) -> dict:
+    result = subprocess.run([sys.executable, "-c", ONE_LOAD, str(repo), str(path), kind.split(",")[0]],
+                            capture_output=True, text=True, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache)))
     if result.returncode:
         raise InputError(f"loading {path} failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -61,23 +66,22 @@ def bench_load(opts):
         files[name] = ckpt_dir / ("model.safetensors" if name == "bf16" else f"model.{name}.safetensors")
         if not files[name].is_file():
             raise InputError(f"--files {name}: {files[name]} not found; make it with quantize.py --mode {name}")
-    cells = {(name, kind): [] for name in files for kind in ("torch", "auto, first", "auto, later")}
+    cells = {(name, kind): [] for name in files for kind in KINDS}
     for _ in range(opts.runs):
         for name, path in files.items():
             with tempfile.TemporaryDirectory() as cache:
-                cells[name, "torch"].append(one_load(opts.repo, path, "torch", cache))
-                cells[name, "auto, first"].append(one_load(opts.repo, path, "auto", cache))
-                cells[name, "auto, later"].append(one_load(opts.repo, path, "auto", cache))
-    print("load_model, then the first forward (3 tokens), seconds: what a user waits for before a first token")
-    kinds = " | ".join(("torch", "auto, first", "auto, later"))
-    print(f"| file | {kinds} | of which the first forward |")
+                for kind in KINDS:
+                    cells[name, kind].append(one_load(opts.repo, path, kind, cache))
+    print("seconds before the first tokens of a plain and a speculative (K = 7) request: load_model + the steps' "
+          "first run (their compile, compiled)")
+    print(f"| file | {' | '.join(KINDS)} | of which load_model |")
     print("|---|---|---|---|---|")
     for name in files:
-        spans = [cells[name, kind] for kind in ("torch", "auto, first", "auto, later")]
-        totals = [[r["load"] + r["first_forward"] for r in runs] for runs in spans]
-        text = [f"{min(t):.2f}-{max(t):.2f} s" for t in totals]
-        forwards = "/".join(f"{max(r['first_forward'] for r in runs):.2f}" for runs in spans)
-        print(f"| {name} | {' | '.join(text)} | {forwards} s |")
+        spans = [cells[name, kind] for kind in KINDS]
+        text = [f"{min(r['load'] + r['steps'] for r in runs):.1f}-{max(r['load'] + r['steps'] for r in runs):.1f} s"
+                for runs in spans]
+        loads = "/".join(f"{max(r['load'] for r in runs):.1f}" for runs in spans)
+        print(f"| {name} | {' | '.join(text)} | {loads} s |")
 
 
 def main(argv=None):

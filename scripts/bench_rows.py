@@ -7,8 +7,8 @@ one step of 1, 5 and 8 tokens a row (a decode, a verify of K = 4, a verify of K 
 every format and row count taking turns, so that the host's drift reaches them alike. Reported per format and rows:
 the median step in ms, the bytes of weights one step reads over that time (GB/s), that as a share of the bf16
 decode's (the row the quantized formats are held to), and the step's cost in decode steps of its own format (v).
-The roofline: the read bandwidth bench.py measures. A step here is the model's forward of those tokens (the CPU
-backend's one call where it serves), the products, attention, norms and the LM head together.
+The roofline: the read bandwidth bench.py measures. A step here is the model's forward of those tokens (compiled with
+--compile, as decoding.Step compiles it), the products, attention, norms and the LM head together.
 """
 import sys
 from pathlib import Path
@@ -29,6 +29,7 @@ import quantize  # noqa: E402
 from bench import memory_bandwidth_gb_s, quantized_path  # noqa: E402
 from checkpoint import InputError, OneLineErrors  # noqa: E402
 from loading import DTYPES, load_model  # noqa: E402
+from speculative import compile_step  # noqa: E402
 
 PROMPT = 100  # tokens in the cache before the steps
 
@@ -41,7 +42,8 @@ def measure(opts):
             raise InputError(f"--modes: unknown mode '{mode}'; use bf16 or one of {', '.join(quantize.MODES)}")
     if any(r < 1 or r > 32 for r in rows) or opts.repeats < 1:
         raise InputError("--rows: 1 to 32 tokens a row; --repeats: at least 1")
-    models = {}
+    models, steps = {}, {}
+    torch._dynamo.config.recompile_limit = 64  # a graph per format and number of rows
     for mode in modes:
         path = opts.checkpoint_path if mode == "bf16" else quantized_path(opts.checkpoint_path, mode)
         m = load_model(path, "cpu", DTYPES[opts.dtype])
@@ -49,6 +51,7 @@ def measure(opts):
         with torch.no_grad():
             m(torch.arange(PROMPT)[None] % 1000, torch.arange(PROMPT)[None])
         models[mode] = m
+        steps[mode] = compile_step(lambda tokens, positions, m=m: m(tokens, positions), "cpu") if opts.compile else m
         print(f"{mode}: {backend.report(m).serves}, {backend.report(m).step_bytes / 1e6:.1f} MB a step", flush=True)
     bandwidth = memory_bandwidth_gb_s()
     times = {(mode, r): [] for mode in modes for r in rows}
@@ -56,14 +59,14 @@ def measure(opts):
     positions = {r: PROMPT + torch.arange(r)[None] for r in rows}
     with torch.no_grad():
         for repeat in range(opts.repeats + 2):  # the first two warm up
-            for mode, m in models.items():
+            for mode, step in steps.items():
                 for r in rows:
                     start = time.perf_counter()
-                    m(tokens[r], positions[r])
+                    step(tokens[r], positions[r])
                     if repeat >= 2:
                         times[mode, r].append(time.perf_counter() - start)
     print(f"\nread bandwidth (bench.py's probe): {bandwidth:.1f} GB/s; median of {opts.repeats} steps, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, {'compiled' if opts.compile else 'eager'}")
     print("| format | tokens a row | ms | GB/s of weights | of bf16 decode's | v (decode steps) |")
     print("|---|---|---|---|---|---|")
     base = None
@@ -86,6 +89,7 @@ def main(argv=None):
     parser.add_argument("--rows", default="1,5,8", help="tokens a row of each step; the first is the decode")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--compile", action="store_true", help="the steps compiled, as generate.py --compile runs them")
     cli.run(measure, parser.parse_args(argv))
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm  # noqa: E402
 
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
 from loading import DTYPES, load_model  # noqa: E402
-from prompts import humaneval_tasks  # noqa: E402
+from cli import humaneval_tasks  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 

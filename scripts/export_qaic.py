@@ -72,10 +72,19 @@ class Float16SafeNorm(nn.Module):
 
 
 class ExplicitAttention(model_lib.Attention):
-    """Attention as MatMul, Where(mask), Softmax, MatMul: the form the card's compiler takes (SDPA's lowering adds
-    IsNaN nodes), with q scaled before the product so the scores stay small in float16."""
+    """model.Attention whose attend is MatMul, Where(mask), Softmax, MatMul: the form the card's compiler takes (the
+    attention op is one custom node to the exporter, SDPA's lowering adds IsNaN nodes), with q scaled before the
+    product so the scores stay small in float16. Made from a loaded Attention, whose modules and settings it shares."""
 
-    def attend(self, q, k, v, mask, input_pos):
+    @classmethod
+    def of(cls, attention: model_lib.Attention) -> "ExplicitAttention":
+        explicit = cls.__new__(cls)
+        explicit.__dict__.update(attention.__dict__)
+        return explicit
+
+    def attend(self, q, k, v, input_pos):
+        slots = torch.arange(k.shape[2], device=q.device)
+        mask = (slots <= input_pos[:, None, :, None]).repeat(1, 1, q.shape[2] // input_pos.shape[1], 1)
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
         return torch.where(mask, scores, -FP16_MAX).softmax(-1) @ v
 
@@ -86,17 +95,17 @@ def use_float16_safe_modules(model: Transformer):
     g = torch.Generator().manual_seed(0)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if type(child) in (model_lib.RMSNorm, nn.LayerNorm):
+            if type(child) in (model_lib.RMSNorm, model_lib.LayerNorm):
                 safe = Float16SafeNorm(child)
                 x = torch.randn(3, 5, child.weight.shape[0], generator=g) * torch.tensor([1e-4, 1.0, 3e4])[:, None, None]
                 check(child(x), safe(x), f"{type(child).__name__}.forward")
                 setattr(parent, name, safe)
             elif type(child) is model_lib.Attention:
                 q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (4, 9, 9))
-                mask = torch.arange(9) <= torch.tensor([0, 3, 5, 8])[:, None]
-                check(child.attend(q, k, v, mask, None), ExplicitAttention.attend(child, q, k, v, mask, None),
-                      "Attention.attend")
-                child.__class__ = ExplicitAttention
+                positions = torch.tensor([[0, 3, 5, 8], [1, 2, 3, 4]])
+                explicit = ExplicitAttention.of(child)
+                check(child.attend(q, k, v, positions), explicit.attend(q, k, v, positions), "Attention.attend")
+                setattr(parent, name, explicit)
             elif isinstance(child, (model_lib.RMSNorm, nn.LayerNorm, model_lib.Attention)):
                 print(f"warning: {type(child).__name__} (a subclass) is exported as written; nothing checks it for "
                       "float16 overflow", file=sys.stderr)

@@ -104,13 +104,13 @@ def test_a_killed_bench_leaves_no_busy_loop(tmp_path):
 
 
 def test_bench_load_times_fresh_processes(tiny, capsys):
-    """scripts/bench_load.py: a row per file with the three loads (torch, the backend's first check, its
-    remembered verdict)."""
+    """scripts/bench_load.py: a row per file with the three runs (eager, compiled with an empty Inductor cache, then
+    with the cache the first left)."""
     import bench_load
     ckpt, _ = tiny("llama_gqa_tied")
     bench_load.main(["--checkpoint_path", str(ckpt), "--files", "bf16", "--runs", "1"])
     table = capsys.readouterr().out.splitlines()
-    assert table[1] == "| file | torch | auto, first | auto, later | of which the first forward |"
+    assert table[1] == "| file | eager | compiled, cold | compiled, cached | of which load_model |"
     assert table[3].startswith("| bf16 |")
     with pytest.raises(SystemExit, match="--files mxfp9: not a file kind; give bf16 or quantize.py modes"):
         bench_load.main(["--checkpoint_path", str(ckpt), "--files", "bf16,mxfp9"])

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from prompts import humaneval_tasks
+from cli import humaneval_tasks
 from tokenizer import TextStream, Tokenizer
 
 from convert_checkpoint import convert  # noqa: E402

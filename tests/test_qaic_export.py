@@ -24,10 +24,11 @@ from safetensors.torch import save_file
 
 import export_qaic
 import run_onnx
-from prompts import humaneval_tasks
+from cli import humaneval_tasks
 from decoding import Steps, generate
 from loading import load_model
 from checkpoint import InputError
+import model as model_lib
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 
@@ -278,10 +279,19 @@ def test_codegen_float16_greedy_equals_pytorch_float32(codegen_exports):
 
 
 def test_float16_check_fails_with_model_py_norms(smollm2, tmp_path, monkeypatch):
-    """The check can fail: with model.py's RMSNorm in the graph, x^2 overflows float16 (SmolLM2's norm inputs reach
-    |x| = 23,852), the hidden state is zeroed, and the first greedy token is 0 on every prompt."""
+    """The check can fail: with model.py's RMSNorm math in the graph (its op's reference, model.rms_norm), x^2 overflows
+    float16 (SmolLM2's norm inputs reach |x| = 23,852), the hidden state is zeroed, and the first greedy token is 0 on
+    every prompt."""
     ckpt, _ = smollm2
-    monkeypatch.setattr(export_qaic, "Float16SafeNorm", lambda norm: norm)
+
+    class ModelPyNorm(torch.nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.weight, self.eps = norm.weight, norm.eps
+
+        def forward(self, x):
+            return model_lib.rms_norm(x, self.weight, self.eps)
+    monkeypatch.setattr(export_qaic, "Float16SafeNorm", ModelPyNorm)
     out = export(ckpt, tmp_path / "target", "target")
     fp32, fp16 = run_onnx.ExportedModel(out, "target", "onnxruntime"), run_onnx.ExportedModel(out, "target", "float16")
     for prompt, want in zip(smollm2_prompts(ckpt, 3), plain_greedy(ckpt, smollm2_prompts(ckpt, 3)), strict=True):
@@ -389,7 +399,6 @@ def test_core_split():
 def test_an_edited_norm_or_attention_is_refused(monkeypatch):
     """The export swaps model.py's norms and attention only after proving the swap computes what model.py does: a
     fork that edits them (here Gemma's (1 + w) norm, and a softcapped attention) gets a one-line refusal."""
-    import model as model_lib
     args = ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=128)
     original = model_lib.RMSNorm.forward
     monkeypatch.setattr(model_lib.RMSNorm, "forward", lambda self, x: original(self, x) + original(self, x) / self.weight)
@@ -397,8 +406,8 @@ def test_an_edited_norm_or_attention_is_refused(monkeypatch):
         export_qaic.use_float16_safe_modules(Transformer(args))
     monkeypatch.undo()
     attend = model_lib.Attention.attend
-    monkeypatch.setattr(model_lib.Attention, "attend", lambda self, q, k, v, m, p: attend(self, 30 * torch.tanh(q / 30),
-                                                                                          k, v, m, p))
+    monkeypatch.setattr(model_lib.Attention, "attend", lambda self, q, k, v, p: attend(self, 30 * torch.tanh(q / 30),
+                                                                                       k, v, p))
     with pytest.raises(InputError, match=r"^model.py's Attention.attend differs"):
         export_qaic.use_float16_safe_modules(Transformer(args))
 

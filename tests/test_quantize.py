@@ -8,14 +8,15 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+import backend
 import mx
 import quantize
-from prompts import humaneval_tasks
+from cli import humaneval_tasks
 from conftest import ROOT
 from checkpoint import map_safetensors
 from decoding import Steps, generate
 from loading import load_model
-from speculative import ModelDrafter
+from speculative import ModelDrafter, NgramDrafter
 from test_generate import assert_interrupted, assert_one_line_error, cli, interrupted
 from tokenizer import Tokenizer
 
@@ -48,22 +49,18 @@ class RoundedInputsLinear(nn.Linear):
 
 def reference_model(path, dtype):
     """The same file, dequantized up front with the plain formulas (mx: the code table), into nn.Linear."""
-    tensors, metadata = map_safetensors(path)
-    mode = metadata["quantization"]
+    mode = map_safetensors(path)[1]["quantization"]
     model = load_model(path, "cpu", dtype, backend="torch")
     for module_name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if not isinstance(child, (quantize.Int8Linear, quantize.Int4Linear, quantize.MXLinear)):
+            if not isinstance(child, quantize.MODULES):
                 continue
-            prefix = f"{module_name}.{child_name}".lstrip(".")
-            codes = tensors[f"{prefix}.weight"]
             if mode == "int8":
-                w = codes.float() * tensors[f"{prefix}.scales"].float()[:, None]
+                w = child.weight.float() * child.scales.float()[:, None]
             elif mode == "int4":
                 w = child.dequantize()
             else:
-                fmt = child.fmt
-                w = mx.dequantize(mx.unpack(codes, fmt.bits), tensors[f"{prefix}.scales"], fmt)
+                w = mx.dequantize(mx.unpack(child.weight, child.fmt.bits), child.scales, child.fmt)
             linear = (RoundedInputsLinear if mode == "int4" else nn.Linear)(w.shape[1], w.shape[0],
                                                                             bias=child.bias is not None, dtype=dtype)
             linear.weight.data = w.to(dtype)
@@ -93,10 +90,7 @@ def test_quantized_greedy_equals_dequantized_reference(quantized, prompts, mode)
     most are its top token. Measured over 6 prompts x 32 tokens: 96% top, the others within 0.15 (near-ties)."""
     torch._dynamo.reset()
     model = load_model(quantized[mode], "cpu", torch.float32)
-    # 6-bit MX codes stay packed where few_rows.cpp unpacks them in vector code (E3M2's inputs rounded to bf16 there)
-    packed = {getattr(m, "table", None) is not None for m in model.modules() if isinstance(m, quantize.MXLinear)}
-    assert packed <= {mode == "mxfp6_e3m2" and torch.ops.few_rows.packed_fp6_is_fast()
-                      or mode == "mxfp6" and torch.ops.few_rows.fp6_tiles_are_fast()}, packed
+    assert backend.report(model).name == "cpu" and backend.report(model).fallback is None
     reference = reference_model(quantized[mode], torch.float32)
     steps = Steps(compile=True)
     agree = 0
@@ -118,8 +112,8 @@ def test_quantized_greedy_equals_dequantized_reference(quantized, prompts, mode)
 
 def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):
     """The bf16 model, compiled, with its own int4 and mxfp4 files as drafts emits exactly its plain greedy
-    tokens: the verify step's logits equal the decode step's bit for bit (few_rows.cpp and
-    emulate_precision_casts in decoding.Step), so speculation cannot change a near-tie."""
+    tokens: the verify step's logits equal the decode step's bit for bit (every reduction in a kernel, the compiled
+    glue elementwise, emulate_precision_casts in decoding.Step), so speculation cannot change a near-tie."""
     torch._dynamo.reset()
     ckpt, _ = smollm2
     target = load_model(ckpt, "cpu", torch.bfloat16)
@@ -131,6 +125,21 @@ def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):
             spec, stats = generate(target, [prompt], 32, steps, drafter=drafter, speculate_k=4)
             assert spec == expected, mode
             assert stats["alpha"] > 0.3  # a quantized copy agrees with the target most of the time
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int4", "int8", "mxfp6"])
+def test_compiled_speculation_is_exact_at_every_k(smollm2, quantized, prompts, mode):
+    """SmolLM2 as a compiled target, bf16 and in int4, int8 and mxfp6: speculation (n-gram drafts, whose verifies
+    check the target's rows, not a draft's quality) gives the target's own plain greedy tokens at K = 1-8 and 16, a
+    prompt alone and a batch of 2 (the verify compiled static at the first K, for any K from the second)."""
+    torch._dynamo.reset()
+    target = load_model(smollm2[0] if mode == "bf16" else quantized[mode], "cpu", torch.bfloat16)
+    steps = Steps(compile=True)
+    plain = generate(target, prompts, 40, steps)[0]
+    for k in (1, 2, 3, 4, 5, 6, 7, 8, 16):
+        batch = prompts if k in (4, 16) else prompts[:1]
+        assert generate(target, batch, 40, steps, drafter=NgramDrafter(), speculate_k=k)[0] == plain[:len(batch)], k
+    torch._dynamo.reset()
 
 
 # Loads one file in a fresh process and prints the peak resident memory of the load and the bytes a decode step
@@ -146,7 +155,7 @@ def kib(key):
 kernels.load()
 with torch.device("meta"):
     model.Transformer(model.ModelArgs(vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, intermediate_size=64))
-for dtype in (torch.bfloat16, torch.float32):  # the GEMM code the CPU backend's canary runs PyTorch's model with
+for dtype in (torch.bfloat16, torch.float32):  # the GEMM code the spot checks' references run
     torch.nn.functional.linear(torch.ones(24, 576, dtype=dtype), torch.ones(4096, 576, dtype=dtype))
 base = kib("VmRSS")
 loaded = loading.load_model(sys.argv[1], "cpu", torch.bfloat16)
@@ -274,10 +283,10 @@ def test_mx_quantizes_in_row_chunks_to_the_same_codes():
 
 def test_bytes_per_step_count_what_each_backend_reads(quantized):
     """backend.Report.step_bytes (the GB/s and % of bandwidth of every report): model.py's modules read their file
-    layouts; the CPU backend's modules their operands (mxfp4 expanded to a byte a code: more than the file); gpu.py's
+    layouts; the CPU backend's products their layouts (mxfp4 expanded to a byte a code: more than the file); gpu.py's
     int4 its packed codes and scales (counted as nothing before: int4's GB/s was ~5x low on CUDA). The embedding
     table is not read by a step (one row of it)."""
-    import backend
+    import cpu
     import gpu
 
     def total(tensors):
@@ -292,11 +301,11 @@ def test_bytes_per_step_count_what_each_backend_reads(quantized):
         served = load_model(quantized[mode], "cpu", torch.bfloat16)
         reads = []
         for m in served.modules():
-            if hasattr(m, "operands"):
-                reads += [t for t in m.operands()[:2] if t is not None] + ([m.bias] if m.bias is not None else [])
+            if type(m) is cpu.Linear:
+                reads += [t for t in (m.weight, m.factors, m.table, m.bias) if t is not None]
             elif m is not served.tok_embeddings:
                 reads += list(m.parameters(recurse=False))
-        assert any(hasattr(m, "operands") for m in served.modules()), mode  # the backend serves it
+        assert all(type(m) is cpu.Linear for m in (served.output, served.layers[0].attention.wqkv)), mode
         assert backend.report(served).step_bytes == total(reads), mode
         if mode == "mxfp4":  # expanded codes: a byte each, where the file packs two
             assert backend.report(served).step_bytes > 1.5 * backend.report(plain).step_bytes

@@ -22,9 +22,8 @@ def test_readme_flags_exist():
             assert flag in flags, flag
 
 
-LIBRARY = ("cli", "checkpoint", "model", "mx", "sampling", "quantize", "tp", "speculative", "tokenizer", "backend",
-           "loading", "decoding", "prompts", "chat", "cpu", "cpu.gate", "cpu.verdicts", "cpu.canary", "cpu.serving",
-           "cpu.fingerprints", "cpu.kernels", "cpu.modules", "cpu.one_call", "cpu.huge_pages", "threads", "gpu")
+LIBRARY = ("cli", "checkpoint", "model", "mx", "quantize", "tp", "ranks", "speculative", "tokenizer", "backend", "loading",
+           "decoding", "chat", "cpu", "cpu.kernels", "cpu.huge_pages", "gpu")  # gpu_kernels: imported where Triton is
 PROJECT = LIBRARY + ("generate",)
 
 
@@ -87,8 +86,7 @@ def test_model_py_imports_torch_and_the_standard_library_only():
 
 
 # What the backends keep in their modules; outside them, callers read backend.report(model).
-BACKEND_INTERNALS = {"eager_steps", "operands", "step_operands", "scale_factors", "tile_factors", "tiles", "packed",
-                     "OneCallStep", "TinyGemmInt4Linear"}
+BACKEND_INTERNALS = {"layout", "factors", "table", "packed", "RowsLinear", "TinyGemmInt4Linear", "served_ops"}
 
 
 def test_callers_read_the_backend_s_report_not_its_attributes():
@@ -127,22 +125,22 @@ def test_the_longest_verify_is_defined_once():
     assert found == ["backend.py: LONGEST_VERIFY = 17"], found
 
 
-def test_a_format_is_its_class_its_kernels_and_its_tests():
-    """Adding a weight format touches its class (quantize.py), its kernels (cpu/modules.py and few_rows, gpu.py) and
-    its tests: no other module of the library names a format's class, and none but quantize.py (and mx.py, the MX
-    element formats) a mode's name (what
-    the backends ask of a format, its runtime operands, whether it rounds inputs, the math it replaces, its
-    in_features, is declared by its classes)."""
+def test_a_format_is_its_record_its_kernels_and_its_tests():
+    """A weight format is declared once, by its record in quantize.py (Format: its mode, the code the kernels switch on,
+    its module with the reference forward, its MX elements from mx.py). Adding one touches quantize.py, its CPU kernel
+    and layout (cpu/few_rows/) and its Triton kernel (gpu_kernels.py), and its tests: no other module of the library
+    names a format's class or mode, nor switches on a format code but through the record."""
     import ast
-    classes = {"Int8Linear", "Int4Linear", "MXLinear", "MX_MODES"}
+    classes = {"Int8Linear", "Int4Linear", "MXLinear", "MX_MODES", "INT8", "INT4", "MX"}
     modes = {"int8", "int4", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8"}
-    kernels = {"quantize.py", "cpu/modules.py", "gpu.py"}
+    formats = {"quantize.py", "mx.py", "gpu_kernels.py"}
     found = []
     for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("cpu/*.py")):
         name = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text())):
-            words = {getattr(node, "attr", None), getattr(node, "id", None)} & classes if name not in kernels else set()
-            if isinstance(node, ast.Constant) and node.value in modes and name not in ("quantize.py", "mx.py"):
+            words = {getattr(node, "attr", None), getattr(node, "id", None)} & classes if name not in formats else set()
+            if isinstance(node, ast.Constant) and node.value in modes and name not in formats:
                 words.add(node.value)
             found += [f"{name}: {w}" for w in sorted(words)]
-    assert found == ['loading.py: int4'], found  # a draft's default form: int4 where a backend serves it
+    # a draft's default form: int4 where a backend serves it; tinygemm serves int4 alone on CUDA (--backend aten)
+    assert found == ["gpu.py: Int4Linear", "gpu.py: Int4Linear", "loading.py: int4"], found

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from prompts import humaneval_tasks
+from cli import humaneval_tasks
 from decoding import Steps, generate
 from loading import load_model
 from speculative import ModelDrafter
@@ -67,10 +67,10 @@ def int4_draft(qwen_pair, tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
     """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, a batch of 3 at K = 4 and 16
-    and one prompt alone at K = 1-3 and 5-8 (bf16; fp32 at 4 and 7). A verify's K + 1 rows then take every pass
-    the column-tile kernels have (cpu/few_rows/columns.h: one pass of up to 8 rows on AVX-512, 9 as 4 + 5, 17 as
-    5 + 6 + 6; 4 a pass on AVX2); the row counts in between repeat those passes. test_cpu holds each pass to one
-    arithmetic.
+    and one prompt alone at K = 1-3 and 5-8. In bf16 the steps are compiled (decode, verify, the draft's steps: as
+    generate.py --compile runs them), in fp32 eager (K = 4 and 7). A verify's K + 1 rows run each kernel at that
+    many rows (test_cpu holds every kernel to one arithmetic at 1 to 17 rows) and the compiled glue between them,
+    elementwise, computes each row alike.
     In bf16, the 0.5B in int4 as well (K = 4, a batch of 3): a quantized draft is another model, which changes
     alpha, never the tokens. The other formats draft SmolLM2 (test_quantize, test_bench); test_quantizers holds
     their math."""
@@ -78,17 +78,20 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
     tokenizer = Tokenizer(target_dir)
     prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
     target, draft = load_model(target_dir, "cpu", dtype), load_model(draft_dir, "cpu", dtype)
-    drafter = ModelDrafter(draft)
-    plain, _ = generate(target, prompts, 40, Steps())
-    for k in (1, 2, 3, 4, 5, 6, 7, 8, 16) if dtype == torch.bfloat16 else (4, 7):
+    compiled = dtype == torch.bfloat16
+    torch._dynamo.reset()
+    steps = Steps(compile=compiled)
+    drafter = ModelDrafter(draft, compile=compiled)
+    plain, _ = generate(target, prompts, 40, steps)
+    for k in (1, 2, 3, 4, 5, 6, 7, 8, 16) if compiled else (4, 7):
         batch = prompts if k in (4, 16) else prompts[:1]
-        rows, stats = generate(target, batch, 40, Steps(), drafter=drafter, speculate_k=k)
+        rows, stats = generate(target, batch, 40, steps, drafter=drafter, speculate_k=k)
         assert rows == plain[:len(batch)], k
         assert stats["alpha"] > 0.3, stats  # a real draft for a real target: most drafts accepted
-    if dtype == torch.bfloat16:
+    if compiled:
         del draft
-        drafter = ModelDrafter(load_model(int4_draft, "cpu", dtype))
-        rows, stats = generate(target, prompts, 40, Steps(), drafter=drafter, speculate_k=4)
+        drafter = ModelDrafter(load_model(int4_draft, "cpu", dtype), compile=True)
+        rows, stats = generate(target, prompts, 40, steps, drafter=drafter, speculate_k=4)
         assert rows == plain, "int4 draft"
         assert stats["alpha"] > 0.3, stats
     del target, drafter  # 14 GB in float32 with the backend's copies: gone before the next test loads
@@ -96,27 +99,29 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
 
 
 def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path):
-    """The 1.5B quantized by quantize.py (int4, mxfp6) is another target: drafted by the 0.5B (int4), K = 4 with a
-    batch of 3 and K = 1-3 and 5-8 with one prompt, its output is token for token that quantized target's own plain
-    output. (An int8 target speculates on SmolLM2 in test_bench; test_cpu holds every format's kernels to one
-    arithmetic at 1-8, 16 and 17 rows.)"""
+    """The 1.5B quantized by quantize.py (int4, int8, mxfp6) is another target: compiled and drafted by the 0.5B
+    (int4), K = 4 and 16 with a batch of 3 and K = 1-3 and 5-8 with one prompt, its output is token for token that
+    quantized target's own plain output. (test_cpu holds every format's kernels to one arithmetic at 1 to 17 rows.)"""
     import quantize
     target_dir, _ = qwen_pair
     tokenizer = Tokenizer(target_dir)
     prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(3)]
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).symlink_to(target_dir / name)
-    drafter = ModelDrafter(load_model(int4_draft, "cpu", torch.bfloat16))
-    for mode in ("int4", "mxfp6"):
+    drafter = ModelDrafter(load_model(int4_draft, "cpu", torch.bfloat16), compile=True)
+    for mode in ("int4", "int8", "mxfp6"):
         path = quantize.quantize_checkpoint(target_dir, mode, output=tmp_path / f"model.{mode}.safetensors",
                                             progress=False)
         target = load_model(path, "cpu", torch.bfloat16)
-        plain, _ = generate(target, prompts, 32, Steps())
-        rows, stats = generate(target, prompts, 32, Steps(), drafter=drafter, speculate_k=4)
-        assert rows == plain, mode
-        assert stats["alpha"] > 0.3, (mode, stats)
+        torch._dynamo.reset()  # each target its own graphs (Dynamo's recompile limit counts them all)
+        steps = Steps(compile=True)
+        plain, _ = generate(target, prompts, 32, steps)
+        for k in (4, 16):
+            rows, stats = generate(target, prompts, 32, steps, drafter=drafter, speculate_k=k)
+            assert rows == plain, (mode, k)
+            assert stats["alpha"] > 0.3, (mode, stats)
         for k in (1, 2, 3, 5, 6, 7, 8):
-            assert generate(target, prompts[:1], 32, Steps(), drafter=drafter, speculate_k=k)[0] == plain[:1], (mode, k)
+            assert generate(target, prompts[:1], 32, steps, drafter=drafter, speculate_k=k)[0] == plain[:1], (mode, k)
         del target
         path.unlink()
         gc.collect()
@@ -128,7 +133,7 @@ def test_the_acceptance_rule_keeps_the_targets_law_on_the_pairs_distributions(qw
     the first emitted token's law is within 0.015 of p in total variation (400,000 draws: the sampling error is
     ~0.007), while q itself is over 0.05 away (a rule that accepted every draft would fail). p and q are zero outside
     their top 64s, so the rule runs on the union of those (the draws' law is the same as over all 151,936)."""
-    from sampling import logits_to_probs
+    from speculative import logits_to_probs
     from speculative import accept
     target_dir, _ = qwen_pair
     prompt = Tokenizer(target_dir).encode(humaneval_tasks(1)[0]["prompt"])
@@ -183,20 +188,22 @@ def test_qwen2_tokenizer_matches_llama_cpp_on_all_humaneval_prompts(qwen_pair):
 def test_qwen_small_logits_and_greedy_match_transformers(qwen_small_fp32):
     """model.py (--backend torch) on the converted 0.5B against transformers on the GGUF, float32: logits within
     1e-4 of the largest, 64 greedy tokens equal on 2 HumanEval prompts; the default backend's tokens equal too."""
+    import cpu
     ckpt, hf, _ = qwen_small_fp32
     tokenizer = Tokenizer(ckpt)
     prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(2)]
     model = load_model(ckpt, "cpu", torch.float32, backend="torch")
-    with torch.no_grad():
+    served = load_model(ckpt, "cpu", torch.float32)
+    with torch.no_grad(), cpu.references():  # model.py itself: its ops' references
         tokens = torch.tensor([prompts[0]])
         model.setup_caches(1, tokens.shape[1])
         ours = model(tokens, torch.arange(tokens.shape[1])[None]).float()
         theirs = hf(tokens).logits.float()
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
-    served = load_model(ckpt, "cpu", torch.float32)
     for prompt in prompts:
         expected = hf_greedy(hf, prompt, 64)
-        assert generate(model, [prompt], 64, Steps())[0][0] == expected
+        with cpu.references():
+            assert generate(model, [prompt], 64, Steps())[0][0] == expected
         assert generate(served, [prompt], 64, Steps())[0][0] == expected
     del model, served
     gc.collect()

@@ -8,7 +8,7 @@ import copy
 
 from tokenizers import pre_tokenizers
 
-from prompts import humaneval_tasks
+from cli import humaneval_tasks
 from tokenizer import Tokenizer
 
 

@@ -87,7 +87,8 @@ constexpr int ROW_BLOCK = 1;
 #endif
 
 template <class T>
-at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                          float scale) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), cache = k.size(2), tokens = positions.size(1);
   at::Tensor y = at::empty(q.sizes(), q.options());
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
@@ -95,7 +96,6 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const float root = std::sqrt(float(D));
   const int64_t groups = R / tokens;  // query heads per KV head; row g * tokens + t is token t of head g
   // A task per KV head and token: a verify's 15 (5 tokens x 3 KV heads) split 8 / 7 over 2 threads, where the
   // 3 KV heads alone split 2 / 1.
@@ -122,7 +122,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
           float* row_scores = scores.data() + r * padded;
           f32x8 top = f32x8{} - INFINITY;  // slots past last (to the next 8) hold other slots' scores: masked
           for (int64_t s0 = 0; s0 <= last; s0 += 8) {
-            const f32x8 s = load8(&row_scores[s0]) / root;
+            const f32x8 s = load8(&row_scores[s0]) * scale;
             std::memcpy(&row_scores[s0], &s, sizeof s);
             top = i32x8{0, 1, 2, 3, 4, 5, 6, 7} + int32_t(s0) <= int32_t(last) && s > top ? s : top;
           }
@@ -152,20 +152,24 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   return y;
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
-  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-                  k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
-              "few_rows: attention takes contiguous q [B, H, R, D] and k, v [B, H, L, D]");
-  TORCH_CHECK(q.size(3) % L == 0, "few_rows: head dim ", q.size(3), " is not a multiple of ", L);
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "few_rows: q, k, v dtypes differ");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2 &&
-                  positions.size(0) == q.size(0) && q.size(2) % positions.size(1) == 0,
-              "few_rows: positions must be contiguous int64 [B, T], T dividing the query rows");
-  switch (q.scalar_type()) {
-    case at::kBFloat16: return attention_rows<c10::BFloat16>(q, k, v, positions);
-    case at::kFloat: return attention_rows<float>(q, k, v, positions);
-    default: TORCH_CHECK(false, "few_rows: attention dtype must be bfloat16 or float32, not ", q.scalar_type());
-  }
+// Whether attention takes these: q [B, H, R, D], k, v [B, H, L, D] of one dtype, bf16 or float32, D a multiple of 16,
+// positions int64 [B, T] with T dividing R.
+bool attention_takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  return q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+         k.size(3) == q.size(3) && q.size(3) % L == 0 && k.scalar_type() == q.scalar_type() &&
+         v.scalar_type() == q.scalar_type() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) &&
+         positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == q.size(0) &&
+         positions.size(1) > 0 && q.size(2) % positions.size(1) == 0;
+}
+
+// model.py's attention op: softmax(q k^T * scale) v, each query row over slots 0 .. its position.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                     double scale) {
+  TORCH_CHECK(attention_takes(q, k, v, positions), "few_rows: attention takes q [B, H, R, D], k, v [B, H, L, D] of one "
+              "dtype (bf16 or float32, D a multiple of 16) and int64 positions [B, T], T dividing R");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), pc = positions.contiguous();
+  if (q.scalar_type() == at::kBFloat16) return attention_rows<c10::BFloat16>(qc, kc, vc, pc, float(scale));
+  return attention_rows<float>(qc, kc, vc, pc, float(scale));
 }
 
 }  // namespace

@@ -704,17 +704,32 @@ inline void tile_bf16_of(int r, const Bf16Codes& w, const uint16_t* x, int64_t M
   tile_bf16<R>(w, x, M, N, m0, tile, y);
 }
 
-// x [M, K] (float32) times bf16 tiles [N / 16, K / 32, 512].
+// x [M, K] (float32, or bf16 as a bf16 model's rows are: taken as they are) times bf16 tiles [N / 16, K / 32, 512].
 at::Tensor bf16_tiles(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == Bf16Codes::BYTES / 2 && w.is_contiguous(),
               "few_rows: bf16 tiles are [N / 16, K / 32, 512]");
   const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * BLOCK, M = x.size(0);
-  check_rows(x, K);
-  const std::vector<uint16_t> rows = bf16_blocks(x.data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<uint16_t> blocks;
+  const uint16_t* rows;
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K, "few_rows: x must be bf16 [M, ", K, "]");
+    rows = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    if (M > 1) {  // block-major (for one row, the row itself)
+      blocks.resize(M * K);
+      for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / BLOCK; b++)
+          std::memcpy(&blocks[(b * M + m) * BLOCK], rows + m * K + b * BLOCK, BLOCK * sizeof(uint16_t));
+      rows = blocks.data();
+    }
+  } else {
+    check_rows(x, K);
+    blocks = bf16_blocks(x.data_ptr<float>(), M, K);
+    rows = blocks.data();
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const Bf16Codes weight{reinterpret_cast<const uint16_t*>(w.data_ptr()), K};
   float* yp = y.data_ptr<float>();
-  over_tiles(tiles, M, K * 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_bf16_of(r, weight, rows.data(), M, N, m, t, yp); });
+  over_tiles(tiles, M, K * 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_bf16_of(r, weight, rows, M, N, m, t, yp); });
   return y;
 }
 

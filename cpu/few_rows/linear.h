@@ -215,14 +215,15 @@ at::Tensor linear(const at::Tensor& x, int64_t lay, const at::Tensor& w, const s
                   const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& bias, int64_t outputs) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "few_rows: linear takes bf16 or float32 inputs, not ", x.scalar_type());
-  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  // (bf16 tiles take a bf16 model's rows as they are; the other layouts float32)
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(lay == BF16_TILES ? x.scalar_type() : at::kFloat).contiguous();
   const at::Tensor y = product_rows(rows, lay, w, f, table, x.dim() >= 2 && x.size(-2) > STEP_TOKENS);
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == outputs && bias->is_contiguous()),
               "few_rows: linear's bias must be float32 [outputs]");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = outputs;
   at::Tensor out = at::empty(shape, x.options());
-  const int64_t M = rows.size(0), N = y.size(1);
+  const int64_t M = y.size(0), N = y.size(1);
   TORCH_CHECK(outputs <= N, "few_rows: linear's weight has ", N, " outputs, not ", outputs);
   const float* yp = y.data_ptr<float>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;

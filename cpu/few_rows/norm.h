@@ -66,16 +66,18 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
+// Rows of T (bf16 or float) x [R, dim] into out [R, dim] of T: each row in float32 (a row's floats in `row`), its outputs
+// rounded to T before and after the weight.
 template <class T>
-void rms_norm_rows(const float* x, const at::Tensor& weight, double eps, int64_t R, int64_t dim, float* out) {
-  const T* w = reinterpret_cast<const T*>(weight.data_ptr());
+void rms_norm_rows(const T* x, const T* w, double eps, int64_t R, int64_t dim, T* out) {
+  std::vector<float> row(dim), y(dim);
   for (int64_t r = 0; r < R; r++) {
-    const float* xr = x + r * dim;
-    const float scale = 1.f / std::sqrt(sum_of_squares(xr, dim) / float(dim) + float(eps));
+    for (int64_t i = 0; i < dim; i++) row[i] = float(x[r * dim + i]);
+    const float scale = 1.f / std::sqrt(sum_of_squares(row.data(), dim) / float(dim) + float(eps));
     int64_t i = 0;
-    for (; i + 8 <= dim; i += 8)
-      store8(out + r * dim + i, rounded8<T>(load8(w + i) * rounded8<T>(load8(xr + i) * scale)));
-    for (; i < dim; i++) out[r * dim + i] = rounded<T>(float(w[i]) * rounded<T>(xr[i] * scale));
+    for (; i + 8 <= dim; i += 8) store8(&y[i], rounded8<T>(load8(w + i) * rounded8<T>(load8(&row[i]) * scale)));
+    for (; i < dim; i++) y[i] = rounded<T>(float(w[i]) * rounded<T>(row[i] * scale));
+    for (int64_t i = 0; i < dim; i++) out[r * dim + i] = T(y[i]);  // exact: y holds values of T
   }
 }
 
@@ -89,14 +91,15 @@ bool rms_norm_takes(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(rms_norm_takes(x, weight), "few_rows: rms_norm takes bf16 or float32 x [..., dim] and weight [dim] of "
               "its dtype");
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = weight.contiguous();
-  at::Tensor out = at::empty(x.sizes(), xf.options());
+  const at::Tensor xc = x.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
   if (x.scalar_type() == at::kBFloat16)
-    rms_norm_rows<c10::BFloat16>(xf.data_ptr<float>(), w, eps, rows, dim, out.data_ptr<float>());
+    rms_norm_rows(xc.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), eps, rows, dim,
+                  out.data_ptr<c10::BFloat16>());
   else
-    rms_norm_rows<float>(xf.data_ptr<float>(), w, eps, rows, dim, out.data_ptr<float>());
-  return out.to(x.scalar_type());
+    rms_norm_rows(xc.data_ptr<float>(), w.data_ptr<float>(), eps, rows, dim, out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace

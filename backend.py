@@ -42,6 +42,26 @@ def torch_report(model, fallback=None) -> Report:
     return Report(step_bytes=step_bytes(model), held_bytes=held_bytes(model), fallback=fallback)
 
 
+TOLERANCE = 0.01  # a kernel against its reference: the RMS of their difference over the reference's RMS
+
+
+def relative_error(want, got) -> float:
+    want, got = want.float(), got.float()
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp(min=1e-30)).item()
+
+
+def spot_check(rows, reference_rows, n=5) -> str | None:
+    """rows(a, b) and reference_rows(a, b): rows a .. b - 1 (along dimension -2) of a kernel's output and of its
+    reference's. None where each of n rows is as it is computed alone, bit for bit, and the kernel within TOLERANCE of
+    the reference; else why not."""
+    with torch.no_grad():
+        together = rows(0, n)
+        if not all(torch.equal(together[..., i:i + 1, :], rows(i, i + 1)) for i in range(n)):
+            return "its rows differ from the same rows computed alone"
+        error = relative_error(reference_rows(0, n), together)
+    return None if error <= TOLERANCE else f"it differs from its reference by {error:.2g} (bound {TOLERANCE})"
+
+
 def warn(backend: str, message: str, runs: str = "the model runs on model.py's PyTorch path"):
     """Every backend's refusal is this one line; the model still runs."""
     print(f"warning: {backend} backend: {message}; {runs}", file=sys.stderr)

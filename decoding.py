@@ -30,17 +30,12 @@ def decode_one_token(model, token, input_pos, temperature, top_k, top_p):
     return sample(logits[:, -1], temperature, top_k, top_p)
 
 
-class Step:
+def step(fn, compile=False, device="cpu"):
     """A step function (decode, verify), compiled or not: torch.compile(fullgraph=True) of model.py's forward and the
     sampling after it, with speculative.compile_options (no size or alignment asserts: the weights cannot change under
     a loaded model; every 16-bit rounding of the eager program kept, so a verify graph rounds as a decode graph does),
     CUDA graphs on GPU."""
-
-    def __init__(self, fn, compile=False, device="cpu"):
-        self.fn = compile_step(fn, device) if compile else fn
-
-    def __call__(self, model, *args):
-        return self.fn(model, *args)
+    return compile_step(fn, device) if compile else fn
 
 
 class Steps:
@@ -48,8 +43,8 @@ class Steps:
     speculate_k makes the verify one graph for any K."""
 
     def __init__(self, compile=False, compile_prefill=False, device="cpu"):
-        self.decode = Step(decode_one_token, compile, device)
-        self.verify = functools.partial(verify, Step(forward, compile, device))
+        self.decode = step(decode_one_token, compile, device)
+        self.verify = functools.partial(verify, step(forward, compile, device))
         self.prefill = prefill
         if compile_prefill:  # one graph for any prompt length (speculative.STEP_CONFIG while it runs)
             self.prefill = torch._dynamo.config.patch(**STEP_CONFIG)(torch.compile(prefill, fullgraph=True, dynamic=True))

@@ -9,7 +9,7 @@ order over k for every row count, the weights decoded in registers from their fi
 verify's row is a decode's by construction. model.py's ops rms_norm and attention get those kernels as their CUDA
 kernels (serve, for the process); each product module is replaced, by assignment, with a RowsLinear over the module's
 own tensors. Each kernel is first spot-checked against its reference on a few random rows (every row as it is alone,
-within TOLERANCE of the reference); one that fails runs its reference, with one line saying why.
+within backend.TOLERANCE of the reference); one that fails runs its reference, with one line saying why.
 
 --backend aten: no Triton kernels; int4 layers run on aten's tinygemm kernel (Int4Linear's on-disk layout is
 tinygemm's arithmetic, w = (q - 8) * scale + zero per group, so the codes are repacked once at load) and the rest on
@@ -26,7 +26,6 @@ import model as model_py
 import mx
 import quantize
 
-TOLERANCE = 0.01  # relative RMS against the reference, in bf16
 served_ops = {}  # model.py's ops whose Triton kernel is registered: {op: the torch.library.Library that holds it}
 
 
@@ -100,21 +99,6 @@ def rows_refusal(transformer) -> str | None:
     return None
 
 
-def relative_error(want, got) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def spot_check(run, reference, n=5) -> str | None:
-    """run(a, b) and reference(a, b): rows a .. b - 1 of a kernel and of its reference. None where every row of n
-    is as it is alone and the kernel within TOLERANCE of the reference, else why not."""
-    with torch.no_grad():
-        together = run(0, n)
-        if not all(torch.equal(together[..., i:i + 1, :], run(i, i + 1)) for i in range(n)):
-            return "its rows differ from the same rows computed alone"
-        error = relative_error(reference(0, n), together)
-    return None if error <= TOLERANCE else f"it differs from its reference by {error:.2g} (bound {TOLERANCE})"
-
-
 def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
     """Serve model.py's ops on the Triton kernels and swap every product whose in_features the kernels take
     (multiples of BLOCK_K) for a RowsLinear, each kind spot-checked first. -> (products served, those refused with
@@ -133,7 +117,7 @@ def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
         kind = (type(ref), getattr(ref, "mode", None), ref.in_features, ref.out_features)
         if kind not in verdicts:
             fast, x = RowsLinear(ref), randn(1, 5, ref.in_features)
-            verdicts[kind] = spot_check(lambda a, b: fast(x[:, a:b]), lambda a, b: ref(x[:, a:b]))
+            verdicts[kind] = backend.spot_check(lambda a, b: fast(x[:, a:b]), lambda a, b: ref(x[:, a:b]))
         if verdicts[kind] is None:
             parent_name, _, child_name = name.rpartition(".")
             setattr(transformer.get_submodule(parent_name), child_name, RowsLinear(ref))
@@ -154,7 +138,7 @@ def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
         return lambda a, b: kernel(x[:, a:b], norm_weight, 1e-5)
     for op, kernel, reference in (("attention", attend(gpu_kernels.rows_attention), attend(model_py.attention)),
                                   ("rms_norm", norm(gpu_kernels.rows_norm), norm(model_py.rms_norm))):
-        why = spot_check(kernel, reference)
+        why = backend.spot_check(kernel, reference)
         if why is None:
             serve(op, True, device_type)
         else:
@@ -267,15 +251,15 @@ def tinygemm(model, why) -> backend.Report:
         fast = TinyGemmInt4Linear(ref)
         x = torch.randn(3, ref.in_features, generator=g, device=ref.weight.device, dtype=torch.bfloat16)
         with torch.no_grad():
-            error = relative_error(ref(x), fast(x))
-        if error <= TOLERANCE:
+            error = backend.relative_error(ref(x), fast(x))
+        if error <= backend.TOLERANCE:
             parent_name, _, child_name = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child_name, fast)
         else:
             refused.append(f"{name} ({error:.1e})")
         del ref, fast
     if refused:
-        backend.warn("CUDA", f"{len(refused)} int4 layers on tinygemm are beyond {TOLERANCE} (relative RMS) from "
+        backend.warn("CUDA", f"{len(refused)} int4 layers on tinygemm are beyond {backend.TOLERANCE} (relative RMS) from "
                      f"their reference forward: {', '.join(refused[:3])}", "those run the reference")
     if len(refused) == total:
         return backend.torch_report(model, "no int4 layer matched its reference on tinygemm")

@@ -8,7 +8,7 @@ normal, where it saturates (FP4: 7.9 -> 6). RCEIL, 2^ceil(log2(amax / max_normal
 up to one bit of range. Neither wins everywhere. Perplexity of SmolLM2-135M on 40 HumanEval tasks
 (scripts/eval_ppl.py; bf16 5.114), floor vs rceil: MXFP8 E4M3 5.339 vs 5.263, MXFP6 E2M3 5.284 vs 5.276,
 MXFP4 12.23 vs 13.93, MXINT8 5.133 vs 5.138. So the default is per format, the measured winner (DEFAULT_RULE;
-E5M2 and E3M2 follow their lower weight error, `scale_rule_errors()`: rceil); quantize.py records the rule
+E5M2 and E3M2 follow their lower relative weight error: rceil); quantize.py records the rule
 in the file's metadata and --mx_scale_rule overrides it.
 """
 import math
@@ -185,16 +185,3 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return torch.stack([b[0] & 0x3F, (b[0] >> 6) | ((b[1] & 0xF) << 2), (b[1] >> 4) | ((b[2] & 0x3) << 4), b[2] >> 2],
                            -1).flatten(-2)
     raise ValueError(f"no packing for {bits}-bit codes")
-
-
-def scale_rule_errors(weights, fmt: ElementFormat) -> dict:
-    """Relative squared error sum|w - dq(q(w))|^2 / sum|w|^2 of each scale rule over a list of weights."""
-    errors = {}
-    for rule in ("floor", "rceil"):
-        num = den = 0.0
-        for w in weights:
-            codes, scales = quantize(w, fmt, rule)
-            num += (dequantize(codes, scales, fmt) - w.float()).pow(2).sum().item()
-            den += w.float().pow(2).sum().item()
-        errors[rule] = num / den
-    return errors

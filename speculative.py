@@ -47,7 +47,7 @@ def sample(logits, temperature: float = 0.0, top_k=None, top_p=None):
 # ---------------------------------------------------------------- compiled steps
 
 def compile_options(device, same_rows=True) -> dict:
-    """torch.compile options of every step (decoding.Step, the draft's step): see decoding.Step. On CUDA also CUDA
+    """torch.compile options of every step (decoding.step, the draft's step): see decoding.step. On CUDA also CUDA
     graphs, and for a draft's steps (same_rows=False) coordinate-descent tuning, which lets Inductor fuse int8's cast
     into the product (without it aten.mm reads a bf16 copy of each weight written by a separate kernel; gpt-fast
     sets it too) but rewrites one-row products only, as a sum of products (torch/_inductor/decomposition.py): a

@@ -29,7 +29,6 @@ from cpu.huge_pages import HugePages, give_back_heap
 
 __all__ = ["apply", "references"]
 
-TOLERANCE = 0.01  # a kernel against its reference: the RMS of their difference over the reference's RMS
 OPS = ("rms_norm", "attention")  # model.py's ops that few_rows.cpp has kernels for
 served_ops = set()  # those whose kernel is registered in this process (serve)
 checks = {}  # spot_check's verdicts, once per process: {kernel: None where it serves, else why not}
@@ -90,18 +89,6 @@ def references():
             serve(op, True)
 
 
-def relative_error(want, got) -> float:
-    want, got = want.float(), got.float()
-    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp(min=1e-30)).item()
-
-
-def same_rows(rows, n) -> bool:
-    """Whether rows(0, n), a kernel's output for n rows, holds each row as rows(i, i + 1) gives it alone, bit for bit
-    (the rows along dimension -2 of the output)."""
-    together = rows(0, n)
-    return all(torch.equal(together[..., i:i + 1, :], rows(i, i + 1)) for i in range(n))
-
-
 def product_kernel(module) -> tuple:
     """What names a product's kernel and layout for the spot check: its format, dtype, group, whether its inputs fill
     blocks of 32."""
@@ -130,7 +117,7 @@ def random_product(kernel, dtype):
 
 def spot_check(kernel, dtype) -> str | None:
     """A kernel this CPU runs against its reference on a few random rows: every row as it is alone, bit for bit, and
-    within TOLERANCE of the reference. -> None where it serves, else why not. Once per process and kernel."""
+    within backend.TOLERANCE of the reference. -> None where it serves, else why not. Once per process and kernel."""
     if (kernel, dtype) in checks:
         return checks[kernel, dtype]
     g = torch.Generator().manual_seed(1)
@@ -160,13 +147,7 @@ def spot_check(kernel, dtype) -> str | None:
                 y = attend(q[:, :, :, a:b].reshape(1, 2, 3 * (b - a), 64), k, v, positions[:, a:b], 0.125)
                 return y.view(1, 2, 3, b - a, 64)
             reference_rows = functools.partial(rows, attend=model_py.attention)
-        with torch.no_grad():
-            if not same_rows(rows, n):
-                verdict = "its rows differ from the same rows computed alone"
-            else:
-                error = relative_error(reference_rows(0, n), rows(0, n))
-                verdict = None if error <= TOLERANCE else f"it differs from its reference by {error:.2g} (bound " \
-                                                          f"{TOLERANCE})"
+        verdict = backend.spot_check(rows, reference_rows, n)
     except RuntimeError as e:  # a kernel that refuses what it was given
         verdict = str(e).strip().splitlines()[0][:160]
     checks[kernel, dtype] = verdict

@@ -171,11 +171,6 @@ def split_row(row, default_k):
     return mode, drafter, k if k == "auto" else int(k)
 
 
-def spec_k(row, default):
-    """K of a spec-DRAFTER[-K] row: an int or "auto"."""
-    return split_row(row, default)[2]
-
-
 def draft_path(opts, drafter):
     """The draft row's file: --draft_checkpoint, or (draft.MODE) its quantize.py file."""
     return quantized_path(opts.draft_checkpoint, drafter[6:]) if "." in drafter else opts.draft_checkpoint

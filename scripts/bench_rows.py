@@ -8,7 +8,7 @@ every format and row count taking turns, so that the host's drift reaches them a
 the median step in ms, the bytes of weights one step reads over that time (GB/s), that as a share of the bf16
 decode's (the row the quantized formats are held to), and the step's cost in decode steps of its own format (v).
 The roofline: the read bandwidth bench.py measures. A step here is the model's forward of those tokens (compiled with
---compile, as decoding.Step compiles it), the products, attention, norms and the LM head together.
+--compile, as decoding.step compiles it), the products, attention, norms and the LM head together.
 """
 import sys
 from pathlib import Path

@@ -113,7 +113,7 @@ def test_quantized_greedy_equals_dequantized_reference(quantized, prompts, mode)
 def test_quantized_self_draft_is_lossless(smollm2, quantized, prompts):
     """The bf16 model, compiled, with its own int4 and mxfp4 files as drafts emits exactly its plain greedy
     tokens: the verify step's logits equal the decode step's bit for bit (every reduction in a kernel, the compiled
-    glue elementwise, emulate_precision_casts in decoding.Step), so speculation cannot change a near-tie."""
+    glue elementwise, emulate_precision_casts in decoding.step), so speculation cannot change a near-tie."""
     torch._dynamo.reset()
     ckpt, _ = smollm2
     target = load_model(ckpt, "cpu", torch.bfloat16)

@@ -9,7 +9,9 @@ Python that the compiled step runs around the same kernels. A process per run: D
 methods, so a step compiled for one model.py would run for another in the same process. Each process loads the
 checkpoint, compiles (from Inductor's cache after the first run of its fork), decodes the prompt greedily, and checks
 that speculation (n-gram drafts, K = 4) gives the plain tokens. Reported: each one's median decode tok/s, its share of
-the shipped model's, and whether speculation was exact in every run.
+the shipped model's (the median and range over the rounds of its rate over the shipped model's in the same round: a
+VM's speed drifts between rounds), and whether speculation was exact in every run. --baseline CHECKOUT adds its model.py as shipped
+(a commit before a change, say) to the turns; --forks picks the forks (none: the shipped model against the baseline).
 """
 import sys
 from pathlib import Path
@@ -69,23 +71,34 @@ def measure(opts):
     resolve_checkpoint(opts.checkpoint_path)
     if opts.repeats < 1:
         raise InputError(f"--repeats {opts.repeats}: must be at least 1")
-    rates, exact = {label: [] for label in EDITS}, {label: True for label in EDITS}
+    root = Path(__file__).resolve().parent.parent
+    runs = {"as shipped": (root, None)}
+    for name in filter(None, opts.forks.split(",")):
+        if name not in EDITS or EDITS[name] is None:
+            raise InputError(f"--forks {name}: not a fork; give some of {', '.join(list(EDITS)[1:])}")
+        runs[name] = (root, EDITS[name])
+    if opts.baseline:
+        if not (Path(opts.baseline) / "model.py").is_file():
+            raise InputError(f"--baseline {opts.baseline}: no model.py there; give a checkout of this project")
+        runs[f"{opts.baseline} as shipped"] = (Path(opts.baseline).resolve(), None)
+    rates, exact = {label: [] for label in runs}, {label: True for label in runs}
     for _ in range(opts.repeats):
-        for label, edit in EDITS.items():
-            result = subprocess.run([sys.executable, "-c", ONE_RUN, str(Path(__file__).resolve().parent.parent),
-                                     opts.checkpoint_path, json.dumps(edit), opts.prompt, str(opts.max_new_tokens),
-                                     opts.dtype], capture_output=True, text=True)
+        for label, (checkout, edit) in runs.items():
+            result = subprocess.run([sys.executable, "-c", ONE_RUN, str(checkout), opts.checkpoint_path,
+                                     json.dumps(edit), opts.prompt, str(opts.max_new_tokens), opts.dtype],
+                                    capture_output=True, text=True)
             if result.returncode:
                 raise InputError(f"{label}: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
             run = json.loads(result.stdout.strip().splitlines()[-1])
             rates[label].append(run["rate"])
             exact[label] &= run["exact"]
             print(f"{label}: {run['rate']:.2f} tok/s", flush=True)
-    base = statistics.median(rates["as shipped"])
-    print("| model.py | decode tok/s (median) | x as shipped | speculation exact |\n|---|---|---|---|")
-    for label in EDITS:
-        rate = statistics.median(rates[label])
-        print(f"| {label} | {rate:.2f} | {rate / base:.2f} | {'yes' if exact[label] else 'NO'} |")
+    print("| model.py | decode tok/s (median) | x as shipped (median) | x as shipped, by round | speculation exact |\n"
+          "|---|---|---|---|---|")
+    for label in runs:
+        ratios = [rate / shipped for rate, shipped in zip(rates[label], rates["as shipped"])]
+        print(f"| {label} | {statistics.median(rates[label]):.2f} | {statistics.median(ratios):.2f} | "
+              f"{min(ratios):.2f}-{max(ratios):.2f} | {'yes' if exact[label] else 'NO'} |")
 
 
 def main(argv=None):
@@ -95,6 +108,8 @@ def main(argv=None):
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each model.py, taking turns")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--forks", default=",".join(list(EDITS)[1:]), help="which forks, comma-separated (empty: none)")
+    parser.add_argument("--baseline", help="another checkout whose model.py as shipped takes turns too")
     cli.run(measure, parser.parse_args(argv))
 
 

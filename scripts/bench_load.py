@@ -28,7 +28,7 @@ from quantize import MODES  # noqa: E402
 
 ONE_LOAD = """
 import json, sys, time
-repo, path, compile = sys.argv[1], sys.argv[2], sys.argv[3] == "compile"
+repo, path, compile = sys.argv[1], sys.argv[2], {"compiled": True, "eager": False}[sys.argv[3]]
 sys.path.insert(0, repo)
 start = time.perf_counter()
 import torch
@@ -42,7 +42,9 @@ steps = Steps(compile=compile)
 prompt = list(range(100, 116)) * 2
 generate(model, [prompt], 3, steps)
 generate(model, [prompt], 9, steps, drafter=NgramDrafter(), speculate_k=7)
-print(json.dumps(dict(imports=imported - start, load=loaded - imported, steps=time.perf_counter() - loaded)))
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # what Dynamo compiled: none eager
+print(json.dumps(dict(imports=imported - start, load=loaded - imported, steps=time.perf_counter() - loaded,
+                      graphs=graphs)))
 """
 KINDS = ("eager", "compiled, cold", "compiled, cached")
 
@@ -52,7 +54,10 @@ def one_load(repo, path, kind, cache) -> dict:
                             capture_output=True, text=True, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache)))
     if result.returncode:
         raise InputError(f"loading {path} failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    times = json.loads(result.stdout.strip().splitlines()[-1])
+    if (times["graphs"] > 0) != (kind != "eager"):
+        raise InputError(f"{path}: the {kind} run compiled {times['graphs']} graphs")
+    return times
 
 
 def bench_load(opts):

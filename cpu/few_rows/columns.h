@@ -161,7 +161,7 @@ inline int32_t four_bytes(const void* p) {
   return v;
 }
 
-// int4 tiles (cpu.modules.int4_tiles writes them): codes [N / 16, K / 32, 256], per tile and block 4 quarters of 64
+// int4 tiles (linear.h's int4_layout writes them): codes [N / 16, K / 32, 256], per tile and block 4 quarters of 64
 // bytes; in quarter t, byte 4c + j holds column c's code of k = 8t + j in its low nibble and of k = 8t + 4 + j in its
 // high one (one mask, and one shift and mask, give two vectors of codes). Factors bf16 [N / 16, K / group, 2, 16]:
 // per tile and group the 16 columns' scales, then their zeros, as the file has them: w = (code - 8) * scale + zero.
@@ -322,7 +322,7 @@ at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return y;
 }
 
-// The codes [N, K] as Int4Tiles reads them, for the test that round-trips cpu.modules.int4_tiles.
+// The codes [N, K] as Int4Tiles reads them, for the test that round-trips int4_layout.
 at::Tensor int4_codes(const at::Tensor& tiles) {
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
                   tiles.size(2) == Int4Tiles::BYTES, "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
@@ -345,7 +345,7 @@ namespace {
 // in order of float(dot_b) * (factor_b * d_b) (MX: the block's scale over the codes' multiple) as fused
 // multiply-adds, or (int8) of float(dot_b) * d_b, times the column's scale at the end.
 
-// int8 tiles (cpu.modules.int8_tiles): codes [N / 16, K / 32, 512], per tile and block 16 pairs of k of 32 bytes, byte
+// int8 tiles (linear.h's pair_tiles): codes [N / 16, K / 32, 512], per tile and block 16 pairs of k of 32 bytes, byte
 // 2c + j of pair p column c's code at k = 2p + j.
 struct Int8Codes {
   static constexpr int BYTES = 512;
@@ -356,11 +356,11 @@ struct Int8Codes {
   int value(const int8_t* block, int c, int i) const { return block[32 * (i / 2) + 2 * c + i % 2]; }
 };
 
-// MX 6-bit tiles (cpu.modules.fp6_tiles): codes [N / 16, K / 32, 384], per tile and block 8 quads of k of 48 bytes,
+// MX 6-bit tiles (linear.h's fp6_tiles): codes [N / 16, K / 32, 384], per tile and block 8 quads of k of 48 bytes,
 // each 64 codes packed as the file packs them (4 in 3 bytes, little-endian), code 32h + 2c + j of quad t being
 // column c's at k = 4t + 2h + j; table: int16 [65], the 64 codes' values times 2^table[64], exact integers (E2M3: times
 // 8). One maskz load, a byte permute and a bit-field select unpack a quad (AVX512_VBMI), a 64-word permute looks its
-// codes up; elsewhere plain code (cpu.modules.MXLinear then lays out int8 tiles instead).
+// codes up; elsewhere plain code (layout() then lays out int8 tiles instead).
 struct Fp6Codes {
   static constexpr int BYTES = 384;
   static constexpr bool VECTOR = FR_AVX512VBMI && FR_AVX512VNNI && FR_AVX512BW;
@@ -584,7 +584,7 @@ at::Tensor wide_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 
 namespace {
 
-// bf16 weights in column tiles (cpu.modules.bf16_tiles): [N / 16, K / 32, 512] bf16, per tile and block 16 pairs of k
+// bf16 weights in column tiles (linear.h's pair_tiles): [N / 16, K / 32, 512] bf16, per tile and block 16 pairs of k
 // of 64 bytes, word 2c + j of pair p column c's weight at k = 2p + j. Each input row rounded to bf16 (a bf16 model's
 // already is); lane c of a vector adds the exact products of its column's weights at k = 2p + 1, then 2p, times the
 // row's inputs there, broadcast, each with one rounding (vdpbf16ps with AVX512_BF16; two fused multiply-adds

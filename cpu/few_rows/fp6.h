@@ -10,7 +10,7 @@ namespace {
 // row's 16 lanes (a fused multiply-add), block after block: 6.25 bits read per weight, where the codes expanded to
 // int8 at load read 8 and a factor per 32. With AVX512_VBMI and AVX512_BF16 (a byte permute and a bit-field select
 // unpack 64 codes, a 64-word permute looks them up); elsewhere plain code with the same sums, slow: there
-// cpu.modules.MXLinear expands the codes at load instead (packed_fp6_is_fast).
+// layout() expands the codes to bf16 at load instead (kFastFp6).
 #if FR_AVX512VBMI && FR_AVX512BF16
 constexpr bool kFastFp6 = true;
 #else

@@ -49,20 +49,25 @@ def launch(argv: list[str], nproc: int) -> int:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=str(nproc))
     env.setdefault("OMP_NUM_THREADS", "1")
-    ranks = [subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)))
-             for r in range(nproc)]
+    # Ctrl-C as a flag, not an exception: a KeyboardInterrupt inside Popen.poll can leave its lock held, and the
+    # wait for that rank then hangs forever.
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
-        while any(p.poll() is None for p in ranks):
+        ranks = [subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r),
+                                                                    ROLE_RANK=str(r))) for r in range(nproc)]
+        while any(p.poll() is None for p in ranks) and not interrupted:
             failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
             if failed:  # the others would wait for it forever
                 stop(ranks, signal.SIGTERM)
                 return failed[0]
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stop(ranks, signal.SIGINT)  # a terminal's Ctrl-C reached them already; a kill -INT of this process did not
-        return 130
-    return next((p.returncode for p in ranks if p.returncode), 0)
+        if interrupted:
+            stop(ranks, signal.SIGINT)  # a terminal's Ctrl-C reached them already; a kill -INT of this process did not
+            return 130
+        return next((p.returncode for p in ranks if p.returncode), 0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop(ranks, how, grace_s: float = 30.0):

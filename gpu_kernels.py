@@ -5,7 +5,8 @@ a row alone does). The weights are decoded in registers, never copied dequantize
 
 - `rows_product`: y [M, N] = x [M, K] @ W^T for bf16, int8 (per channel), int4 (groupwise, quantize.py's file
   layout) and MX (4, 6 and 8-bit codes as mx.pack packs them, E8M0 scales) weights: the rows in tiles of
-  BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in BLOCK_K steps from 0.
+  BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in BLOCK_K steps, split
+  into slices by the weight's shape alone (k_parts), their float32 partial sums added in slice order.
   Each weight is decoded as quantize.py's reference decodes it (to float32, then the input's dtype), and multiplied
   by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them (round_activations).
 - `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots from slot 0
@@ -16,6 +17,8 @@ a row alone does). The weights are decoded in registers, never copied dequantize
 Run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported): how
 tests/test_gpu_kernels.py checks them without a GPU.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,14 +42,15 @@ def rounded(v, dtype: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # a specialization for M == 1 would be another kernel for a decode
-def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, M, N, K, group,
+def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, partial_ptr, M, N, K, group, K_PART,
                    FORMAT: tl.constexpr, BITS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(2)  # of PARTS slices of k, K_PART each (a multiple of BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(part * K_PART, tl.minimum(part * K_PART + K_PART, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
         at = cols[None, :] * K + ks[:, None]  # element (k, n) of W^T: [BLOCK_K, BLOCK_N]
@@ -76,11 +80,34 @@ def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, M,
         # float32 operands: a bf16 value is exact in tf32, so the products are the bf16 ones (and Triton's
         # interpreter multiplies bf16 operands wrongly); float32 models multiply in full float32 ("ieee")
         acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+    if PARTS == 1:
+        finish(acc, factors_ptr, out_ptr, rows, cols, M, N, FORMAT)
+    else:  # float32 partial sums [PARTS, M, N], added by sum_parts_kernel
+        tl.store(partial_ptr + (part * M + rows[:, None]) * N + cols[None, :], acc,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def sum_parts_kernel(partial_ptr, factors_ptr, out_ptr, M, N, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    at, ok = rows[:, None] * N + cols[None, :], (rows < M)[:, None] & (cols < N)[None, :]
+    acc = tl.load(partial_ptr + at, mask=ok, other=0.0)
+    for part in tl.static_range(1, PARTS):  # in order: the same sum for every number of rows
+        acc += tl.load(partial_ptr + part * M * N + at, mask=ok, other=0.0)
+    finish(acc, factors_ptr, out_ptr, rows, cols, M, N, FORMAT)
+
+
+@triton.jit
+def finish(acc, factors_ptr, out_ptr, rows, cols, M, N, FORMAT: tl.constexpr):
+    """A tile's float32 sums, rounded to the output's dtype (int8: times its scales first) and stored."""
+    col_ok = cols < N
     y = rounded(acc, out_ptr.dtype.element_ty)
     if FORMAT == INT8:  # the reference: (x @ codes) in the input's dtype, times the scales in it
         scale = tl.load(factors_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = rounded(y.to(tl.float32) * scale[None, :], out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -122,22 +149,41 @@ def mx_tables(fmt: mx.ElementFormat, device) -> tuple[torch.Tensor, torch.Tensor
     return tables[key]
 
 
-def rows_product(x, weight, factors=None, fmt=quantize.PLAIN, bits=16, group=0, n=None, element=None):
+def rows_product(x, weight, factors=None, fmt=quantize.PLAIN, bits=16, group=0, n=None, element=None,
+                 parts=None):
     """x [..., K] (already rounded as the reference rounds it) times a weight in its file's layout -> [..., N] in x's
     dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4 bytes [N, K / 2] with factors =
     scales_and_zeros [K / group, N, 2]; MX codes [N, K * bits / 8] with factors = E8M0 scales [N, K / 32] and
-    element its mx.ElementFormat."""
+    element its mx.ElementFormat. parts: slices of k (split-K) where not k_parts' choice (the tests)."""
     k = x.shape[-1]
     n = weight.shape[0] if n is None else n
     rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     table, scales = mx_tables(element, x.device) if fmt == quantize.MX else (weight, weight)  # (unread but by MX)
     factors = weight if factors is None else factors
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(rows.shape[0], BLOCK_M))
-    product_kernel[grid](rows, weight, factors, table, scales, out, rows.shape[0], n, k, group, FORMAT=fmt, BITS=bits,
-                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M,
-                         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    parts, k_part = k_parts(n, k, x.device, parts)
+    partial = torch.empty(parts, m, n, dtype=torch.float32, device=x.device) if parts > 1 else out
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
+    product_kernel[grid + (parts,)](rows, weight, factors, table, scales, out, partial, m, n, k, group, k_part,
+                                    FORMAT=fmt, BITS=bits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PARTS=parts)
+    if parts > 1:
+        sum_parts_kernel[grid](partial, factors, out, m, n, FORMAT=fmt, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PARTS=parts)
     return out.view(*x.shape[:-1], n)
+
+
+@functools.lru_cache(maxsize=None)  # (a step asks for each product's, every call)
+def k_parts(n, k, device, parts=None) -> tuple[int, int]:
+    """How many slices of k a product of N x K takes (split-K), and their length: by its shape and the GPU alone,
+    never by its rows (a decode's and a verify's rows then add the same partial sums in the same order). Enough
+    programs for two a multiprocessor, at least 4 BLOCK_K steps a slice; or about `parts` slices."""
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    steps = k // BLOCK_K
+    if parts is None:
+        parts = max(1, min(steps // 4, triton.cdiv(2 * processors, triton.cdiv(n, BLOCK_N))))
+    per_part = triton.cdiv(steps, parts)
+    return triton.cdiv(steps, per_part), per_part * BLOCK_K
 
 
 def rows_attention(q, k, v, input_pos, scale=None):

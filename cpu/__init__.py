@@ -15,6 +15,7 @@ import contextlib
 import functools
 import sys
 import time
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -196,15 +197,24 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
     phases["serve"] = time.perf_counter() - start
     if not served and not served_ops:
         return backend.torch_report(transformer, "; ".join(refused.values()))
-    modes = sorted({m.mode for m in served})
+    paths = torch.ops.few_rows.paths()
+    products = ", ".join(f"{n} {mode} in {paths[layout]}" for (mode, layout), n in
+                         sorted(Counter((m.mode, m.layout) for m in served).items()))
     ops = [op for op in OPS if op in served_ops]
     return backend.Report(
-        name="cpu", serves=f"few_rows.cpp: {len(served)} products ({', '.join(modes)}), "
-                           f"{' and '.join(ops) or 'no op'} ({', '.join(torch.ops.few_rows.features()) or 'portable'})",
+        name="cpu", serves=f"few_rows.cpp: {len(served)} products ({products}), {' and '.join(ops) or 'no op'}; "
+                           f"{amx_note()}",
         sizes_threads=True,  # each output is summed by one thread: the results do not depend on the thread count
         step_bytes=backend.step_bytes(transformer), held_bytes=backend.held_bytes(transformer),
         max_verify_tokens=backend.LONGEST_VERIFY,
         fallback="; ".join(f"{what}: {why}" for what, why in refused.items()) or None)
+
+
+def amx_note() -> str:
+    """Why the products do not run on AMX tiles, in a few words."""
+    if "amx_tile" not in kernels.cpu_features():
+        return "no AMX tiles on this CPU"
+    return "AMX tiles unused: few_rows.cpp has no AMX kernels yet, AVX-512 serves"
 
 
 def serve_products(transformer, products, mapped, refused) -> list[Linear]:

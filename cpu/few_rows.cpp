@@ -89,20 +89,6 @@ bool serve(const std::string& name, bool on) {
   return true;
 }
 
-// What this build computes with: the instruction sets it was compiled for, and quantize.py's format codes as linear.h
-// has them.
-std::vector<std::string> features() {
-  std::vector<std::string> f;
-  if (FR_AVX512F) f.push_back("avx512f");
-  if (FR_AVX512BW) f.push_back("avx512bw");
-  if (FR_AVX512VNNI) f.push_back("avx512_vnni");
-  if (FR_AVX512BF16) f.push_back("avx512_bf16");
-  if (FR_AVX512VBMI) f.push_back("avx512_vbmi");
-  if (FR_AVX2) f.push_back("avx2");
-  if (FR_FMA) f.push_back("fma");
-  return f;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(few_rows, m) {
@@ -115,7 +101,7 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
   m.def("serve(str op, bool on) -> bool", &serve);
-  m.def("features() -> str[]", &features);
+  m.def("paths() -> str[]", &paths);
   m.def("format_codes() -> int[]", [] { return std::vector<int64_t>{PLAIN, INT8, INT4, MX}; });
   m.def("int4_codes(Tensor tiles) -> Tensor");
   m.def("stream_read(Tensor buffer) -> int");

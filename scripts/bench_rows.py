@@ -8,7 +8,9 @@ every format and row count taking turns, so that the host's drift reaches them a
 the median step in ms, the bytes of weights one step reads over that time (GB/s), that as a share of the bf16
 decode's (the row the quantized formats are held to), and the step's cost in decode steps of its own format (v).
 The roofline: the read bandwidth bench.py measures. A step here is the model's forward of those tokens (compiled with
---compile, as decoding.step compiles it), the products, attention, norms and the LM head together.
+--compile, as decoding.step compiles it), the products, attention, norms and the LM head together. Before the table,
+a line per format says what serves it: how many products run on which kernel and instructions, and whether AMX tiles
+did (and why not).
 """
 import sys
 from pathlib import Path

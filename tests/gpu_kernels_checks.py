@@ -8,6 +8,7 @@ of their own: tests/test_gpu.py starts it.
 
     TRITON_INTERPRET=1 python -m pytest -q tests/gpu_kernels_checks.py
 """
+import functools
 import os
 
 import pytest
@@ -23,8 +24,26 @@ ROWS = backend.LONGEST_VERIFY
 K, N = 128, 80  # N not a multiple of the 32-column tile: its masked edge is checked too
 
 
+def dot_a_row_at_a_time(interpreter):
+    """The interpreter's tl.dot is numpy's matmul, whose BLAS rounds a tile's row by its position in the tile (its
+    micro-kernels cover rows in groups): a row's sums at position 13 of a verify's tile and at position 0 of a decode's
+    then differ in the last bit now and then, which a GPU's matrix instructions, alike for every row, do not. Here it
+    multiplies a row at a time, each as the first row of a tile, as the hardware does every row."""
+    import numpy as np
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.data.dtype != np.float32:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 @pytest.fixture(scope="module")
 def kernels():
+    import triton.runtime.interpreter
+    dot_a_row_at_a_time(triton.runtime.interpreter)
     import gpu_kernels
     return gpu_kernels
 
@@ -54,19 +73,28 @@ def definition(mode, module, x):
     return rows.double() @ weight.to(x.dtype).double().T
 
 
-def product(kernels, mode, module, x):
+def product_of(kernels, mode, module, x, parts=None):
     from gpu import RowsLinear
     if mode == "bf16":
-        return kernels.rows_product(x, module)
-    return RowsLinear(module)(x)
+        return kernels.rows_product(x, module, parts=parts)
+    linear = RowsLinear(module)
+    if parts is None:  # through gpu.py's module and its custom op
+        return linear(x)
+    rows = x if linear.levels is None else quantize.round_activations(x, linear.levels)
+    return kernels.rows_product(rows, linear.weight, linear.factors, linear.code, linear.bits, linear.group,
+                                linear.out_features, mx.FORMATS[linear.element] if linear.element else None, parts)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "mxfp6", "mxfp4", "mxfp8", "mxfp6_e3m2"])
-def test_a_product_is_its_format_s_definition_and_each_row_is_computed_alone(kernels, mode):
+@pytest.mark.parametrize("mode, parts", [(mode, None) for mode in ["bf16", "int8", "int4", "mxfp6", "mxfp4", "mxfp8",
+                                                                    "mxfp6_e3m2"]] +
+                         [(mode, 2) for mode in ["bf16", "int8", "int4", "mxfp6"]])
+def test_a_product_is_its_format_s_definition_and_each_row_is_computed_alone(kernels, mode, parts):
+    """parts: k in that many slices (split-K: float32 partial sums added in order), as a GPU's kernel splits it."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g) * 0.1
     x = torch.randn(ROWS, K, generator=g).bfloat16()
     module = w.bfloat16() if mode == "bf16" else quantized(mode, w)
+    product = functools.partial(product_of, parts=parts)
     together = product(kernels, mode, module, x)
     want = definition(mode, module, x)
     # float32 sums of exact products, then one rounding to bf16: within 2 bf16 ulps of the exact result
@@ -119,8 +147,7 @@ def test_a_tiny_model_served_by_the_kernels_is_model_py_and_verifies_exactly(ker
     """float32: the served model's logits within 1e-5 of model.py's (int4: 5e-3, where an input a rounding of its
     8-bit activations apart moves them); in bf16, as steps run, gpu.exact_verify_tokens finds every row of a 17-row
     step equal to the row alone, bit for bit, through every product and attention (model.py's rms_norm and attention
-    ops on the Triton kernels, registered for CPU tensors here). (In float32 the interpreter's products are numpy's,
-    whose rows past the first six round their products another way.)"""
+    ops on the Triton kernels, registered for CPU tensors here)."""
     import gpu
     args = ModelArgs(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=192,
                      max_seq_len=64)

@@ -372,7 +372,10 @@ def test_the_backend_serves_every_product_and_op_and_says_what(smollm2, capsys):
     m = load_model(ckpt, "cpu", torch.bfloat16)
     report = backend.report(m)
     assert report.name == "cpu" and report.fallback is None, report
-    assert report.serves.startswith("few_rows.cpp: 121 products (plain), rms_norm and attention ("), report.serves
+    bf16_tiles = torch.ops.few_rows.paths()[1]  # how this build multiplies its bf16 tiles (linear.h's Layout order)
+    assert report.serves == (f"few_rows.cpp: 121 products (121 plain in {bf16_tiles}), rms_norm and attention; "
+                             f"{cpu.amx_note()}"), report.serves
+    assert bf16_tiles.startswith("bf16 tiles, ") and len(torch.ops.few_rows.paths()) == 6
     assert all(type(layer.attention.wqkv) is cpu.Linear and type(layer.feed_forward.w2) is cpu.Linear
                for layer in m.layers) and type(m.output) is cpu.Linear
     assert {"rms_norm", "attention"} <= cpu.served_ops

@@ -154,7 +154,9 @@ def test_verbose_says_what_the_backend_serves(tiny):
     lines = {backend: [line for line in cli(*common, "--backend", backend).stderr.splitlines()
                        if line.startswith("backend ")] for backend in ("auto", "torch")}
     assert len(lines["auto"]) == 1 and lines["auto"][0].startswith(
-        "backend cpu: few_rows.cpp: 9 products (plain), rms_norm and attention ("), lines
+        "backend cpu: few_rows.cpp: 9 products (9 plain in dense rows, "), lines
+    assert lines["auto"][0].endswith(("; no AMX tiles on this CPU", "; AMX tiles unused: few_rows.cpp has no AMX "
+                                      "kernels yet, AVX-512 serves")), lines
     assert lines["torch"] == ["backend torch: nothing (model.py's PyTorch)"], lines
 
 

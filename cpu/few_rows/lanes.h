@@ -92,12 +92,9 @@ struct f32x16 {
 };
 
 // Software prefetch this far ahead of the weights being read: the tiles are short streams that the hardware
-// prefetcher alone leaves short of the memory's bandwidth (the distances measured: docs/performance.md).
-#if FR_AVX512BF16
-constexpr int64_t PREFETCH_BYTES = 2048;
-#else
+// prefetcher alone leaves short of the memory's bandwidth, most of all where a pass of 5-8 rows makes the loop
+// compute-bound (the distances measured: docs/performance.md).
 constexpr int64_t PREFETCH_BYTES = 8192;
-#endif
 
 inline f32x16 load(const float* p) {
   f32x16 v;

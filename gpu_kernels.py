@@ -15,7 +15,7 @@ a row alone does). The weights are decoded in registers, never copied dequantize
   split by the number of rows).
 
 Run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported): how
-tests/test_gpu_kernels.py checks them without a GPU.
+tests/gpu_kernels_checks.py checks them without a GPU.
 """
 import functools
 

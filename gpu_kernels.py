@@ -9,8 +9,9 @@ a row alone does). The weights are decoded in registers, never copied dequantize
   into slices by the weight's shape alone (k_parts), their float32 partial sums added in slice order.
   Each weight is decoded as quantize.py's reference decodes it (to float32, then the input's dtype), and multiplied
   by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them (round_activations).
-- `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots from slot 0
-  (a split of the keys fixed by the cache, not by the number of rows), with an online softmax in float32.
+- `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots, in parts of
+  the cache fixed by its length (not by the number of rows), each with an online softmax in float32, the parts then
+  combined in order.
 - `rows_norm`: RMSNorm, one program a row, its sum of squares in one fixed order (PyTorch's own reduction picks its
   split by the number of rows).
 
@@ -111,9 +112,10 @@ def finish(acc, factors_ptr, out_ptr, rows, cols, M, N, FORMAT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, T, R, S, heads, scale, D: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
-    r, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, T, R, S, heads, scale, S_PART,
+                     D: tl.constexpr, BLOCK_S: tl.constexpr, PARTS: tl.constexpr):
+    r, h = tl.program_id(0), tl.program_id(1)
+    b, part = tl.program_id(2) // PARTS, tl.program_id(2) % PARTS  # slots part * S_PART .. of the cache
     pos = tl.load(pos_ptr + b * T + r % T)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + ((b * heads + h) * R + r) * D + d).to(tl.float32)
@@ -121,7 +123,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, T, R, S, heads, scal
     best = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([D], dtype=tl.float32)
-    for s0 in range(0, pos + 1, BLOCK_S):
+    for s0 in range(part * S_PART, tl.minimum(part * S_PART + S_PART, pos + 1), BLOCK_S):
         slots = s0 + tl.arange(0, BLOCK_S)
         seen = slots <= pos
         k = tl.load(k_ptr + cache + slots[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
@@ -133,7 +135,34 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, T, R, S, heads, scal
         total = total * kept + tl.sum(p, 0)
         acc = acc * kept + tl.sum(p[:, None] * v, 0)
         best = new_best
-    tl.store(out_ptr + ((b * heads + h) * R + r) * D + d, rounded(acc / total, out_ptr.dtype.element_ty))
+    row = (b * heads + h) * R + r
+    if PARTS == 1:
+        tl.store(out_ptr + row * D + d, rounded(acc / total, out_ptr.dtype.element_ty))
+    else:  # this part's (max score, sum of exponentials, weighted values): [B * H * R, PARTS, D + 2] floats
+        at = part_ptr + (row * PARTS + part) * (D + 2)
+        tl.store(at + d, acc)
+        tl.store(at + D + tl.arange(0, 1), best)
+        tl.store(at + D + 1 + tl.arange(0, 1), total)
+
+
+@triton.jit
+def attention_parts_kernel(part_ptr, out_ptr, D: tl.constexpr, PARTS: tl.constexpr):
+    """A row's parts of the cache combined in order: the same sums for a decode's row and a verify's."""
+    row = tl.program_id(0)
+    d = tl.arange(0, D)
+    base = part_ptr + row * PARTS * (D + 2)
+    best = tl.load(base + D + tl.arange(0, 1))
+    for part in tl.static_range(1, PARTS):  # the largest score of any part (an empty part's is -inf)
+        best = tl.maximum(best, tl.load(base + part * (D + 2) + D + tl.arange(0, 1)))
+    total = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for part in tl.static_range(PARTS):
+        at = base + part * (D + 2)
+        part_best = tl.load(at + D + tl.arange(0, 1))
+        kept = tl.where(part_best > float("-inf"), tl.exp(part_best - best), 0.0)
+        total += tl.load(at + D + 1 + tl.arange(0, 1)) * kept
+        acc += tl.load(at + d) * kept
+    tl.store(out_ptr + row * D + d, rounded(acc / total, out_ptr.dtype.element_ty))
 
 
 tables = {}
@@ -186,16 +215,32 @@ def k_parts(n, k, device, parts=None) -> tuple[int, int]:
     return triton.cdiv(steps, per_part), per_part * BLOCK_K
 
 
-def rows_attention(q, k, v, input_pos, scale=None):
+def rows_attention(q, k, v, input_pos, scale=None, parts=None):
     """softmax(q k^T * scale) v (scale 1 / sqrt(D) by default) for q [B, H, R, D] (R = G * T query rows of a KV head,
     row r at position input_pos[b, r % T]) over the cache k, v [B, H, S, D]: each row sees slots 0 .. its position."""
     b, h, r, d = q.shape
     t, s = input_pos.shape[-1], k.shape[2]
     q = q.contiguous()
     out = torch.empty_like(q)
-    attention_kernel[(r, h, b)](q, k.contiguous(), v.contiguous(), input_pos.contiguous(), out, t, r, s, h,
-                                d ** -0.5 if scale is None else scale, D=d, BLOCK_S=BLOCK_S)
+    parts, s_part = cache_parts(s, parts)
+    partial = torch.empty(b * h * r, parts, d + 2, dtype=torch.float32, device=q.device) if parts > 1 else out
+    attention_kernel[(r, h, b * parts)](q, k.contiguous(), v.contiguous(), input_pos.contiguous(), out, partial, t, r,
+                                        s, h, d ** -0.5 if scale is None else scale, s_part, D=d, BLOCK_S=BLOCK_S,
+                                        PARTS=parts)
+    if parts > 1:
+        attention_parts_kernel[(b * h * r,)](partial, out, D=d, PARTS=parts)
     return out
+
+
+def cache_parts(slots, parts=None) -> tuple[int, int]:
+    """How many parts of the cache a query row's attention takes, and their length in slots: by the cache's length
+    alone (a decode's row and a verify's then combine the same parts), at least 4 blocks of BLOCK_S slots a part, at
+    most 16 parts; or about `parts`."""
+    blocks = triton.cdiv(slots, BLOCK_S)
+    if parts is None:
+        parts = max(1, min(16, blocks // 4))
+    per_part = triton.cdiv(blocks, parts)
+    return triton.cdiv(blocks, per_part), per_part * BLOCK_S
 
 
 @triton.jit

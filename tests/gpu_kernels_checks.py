@@ -119,7 +119,10 @@ def test_rms_norm_is_its_reference_and_each_row_is_computed_alone(kernels):
     assert torch.equal(kernels.rows_norm(x[:, ROWS - 1:], weight, 1e-5), together[:, ROWS - 1:])
 
 
-def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed_alone(kernels):
+@pytest.mark.parametrize("parts", [None, 3])
+def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed_alone(kernels, parts):
+    """parts: the cache in that many parts (as a long cache is split), combined in order; a row whose position ends
+    before a part leaves it empty."""
     g = torch.Generator().manual_seed(1)
     batch, kv, groups, hd, slots = 2, 2, 3, 32, 150  # 150 slots: three key blocks, the last one partial
     q = torch.randn(batch, kv, groups * ROWS, hd, generator=g).bfloat16()
@@ -128,7 +131,7 @@ def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed
 
     def attend(first, n):  # query tokens first .. first + n - 1 of each group
         rows = q.view(batch, kv, groups, ROWS, hd)[:, :, :, first:first + n].reshape(batch, kv, groups * n, hd)
-        out = kernels.rows_attention(rows, k, v, start + first + torch.arange(n))
+        out = kernels.rows_attention(rows, k, v, start + first + torch.arange(n), parts=parts)
         return out.view(batch, kv, groups, n, hd)
     together = attend(0, ROWS)
     positions = start + torch.arange(ROWS)

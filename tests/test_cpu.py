@@ -273,6 +273,8 @@ sys.path[:0] = [root, root + "/tests"]
 from cpu import kernels
 kernels.build(march, portable=portable == "portable")
 assert kernels.load()
+for path in torch.ops.few_rows.paths():  # what the report says this build multiplies with
+    print(path)
 if out != "-":
     from test_cpu import kernel_outputs
     torch.save(kernel_outputs(), out)
@@ -292,7 +294,10 @@ def test_the_portable_build_gives_the_native_build_bits(tmp_path):
     assert kernels.load()
     out = tmp_path / "portable.pt"
     command, env = build_in(tmp_path, "native", portable=True, out=out)
-    subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=900)
+    built = subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=900)
+    # what its report would say: no intrinsics
+    assert built.stdout.splitlines() == ["dense rows, 8-lane vectors", "bf16 tiles, plain code", "int8 tiles, plain code",
+                                         "int4 tiles, plain code", "6-bit tiles, plain code", "6-bit codes, plain code"]
     portable, native = torch.load(out), kernel_outputs()
     assert len(set(portable) & set(native)) >= 0.8 * len(native)
     different = [case for case, y in native.items() if case in portable and not torch.equal(portable[case], y)]
@@ -314,6 +319,8 @@ def test_the_avx2_build_gives_the_native_build_bits(tmp_path):
                         r"CPU\)\.\.\. done in \d+ s: .*\.so\n", first.stderr), first.stderr
     again = subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=900)
     assert again.stderr == ""
+    assert first.stdout.splitlines()[1:4] == ["bf16 tiles, fused multiply-adds (AVX2)", "int8 tiles, vpmaddwd (AVX2)",
+                                              "int4 tiles, vpmaddubsw (AVX2)"], first.stdout
     avx2, native = torch.load(out), kernel_outputs()
     assert len(set(avx2) & set(native)) >= 0.8 * len(native)
     different = [case for case, y in native.items() if case in avx2 and not torch.equal(avx2[case], y)]

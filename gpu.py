@@ -40,7 +40,7 @@ class RowsLinear(nn.Module):
         self.code, self.levels = fmt.code, fmt.levels
         self.bits, self.element = (fmt.element.bits, fmt.element.name) if fmt.element else (16, "")
         self.group = getattr(ref, "groupsize", 0)
-        factors = getattr(ref, "scales_and_zeros", getattr(ref, "scales", None))
+        factors = quantize.factors_of(ref)
         self.register_buffer("weight", ref.weight.detach())
         self.register_buffer("factors", None if factors is None else factors.detach())
 

@@ -4,11 +4,12 @@ so a verify's row is a decode's row bit for bit (cuBLAS picks its kernel by shap
 a row alone does). The weights are decoded in registers, never copied dequantized to memory. gpu.py serves them.
 
 - `rows_product`: y [M, N] = x [M, K] @ W^T for bf16, int8 (per channel), int4 (groupwise, quantize.py's file
-  layout) and MX (4, 6 and 8-bit codes as mx.pack packs them, E8M0 scales) weights: the rows in tiles of
-  BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in BLOCK_K steps, split
-  into slices by the weight's shape alone (k_parts), their float32 partial sums added in slice order.
-  Each weight is decoded as quantize.py's reference decodes it (to float32, then the input's dtype), and multiplied
-  by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them (round_activations).
+  layout), int4k (two-level factors) and MX (4, 6 and 8-bit codes as mx.pack packs them, E8M0 scales) weights: the
+  rows in tiles of BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in
+  BLOCK_K steps, split into slices by the weight's shape alone (k_parts), their float32 partial sums added in slice
+  order. Each weight is decoded as quantize.py's reference decodes it (to float32, then the input's dtype), and
+  multiplied by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them
+  (round_activations).
 - `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots, in parts of
   the cache fixed by its length (not by the number of rows), each with an online softmax in float32, the parts then
   combined in order.
@@ -28,7 +29,8 @@ import mx
 import quantize
 
 # FORMAT: the format's code (quantize.Format.code), as the kernels read it
-PLAIN, INT8, INT4, MX = (tl.constexpr(code) for code in (quantize.PLAIN, quantize.INT8, quantize.INT4, quantize.MX))
+PLAIN, INT8, INT4, MX, INT4K = (tl.constexpr(code) for code in
+                               (quantize.PLAIN, quantize.INT8, quantize.INT4, quantize.MX, quantize.INT4K))
 
 BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S = 16, 32, 64, 64
 
@@ -40,6 +42,13 @@ def rounded(v, dtype: tl.constexpr):
         bits = v.to(tl.uint32, bitcast=True)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return v.to(dtype)
+
+
+@triton.jit
+def bf16_bytes(p, mask):
+    """The bf16 in the two bytes at p (little-endian), as float32."""
+    bits = tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8)
+    return (bits << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["M"])  # a specialization for M == 1 would be another kernel for a decode
@@ -66,6 +75,17 @@ def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, pa
             scale = tl.load(factors_ptr + at_group, mask=col_ok[None, :], other=0.0).to(tl.float32)
             zero = tl.load(factors_ptr + at_group + 1, mask=col_ok[None, :], other=0.0).to(tl.float32)
             w = rounded((code.to(tl.float32) - 8.0) * scale + zero, x.dtype)
+        elif FORMAT == INT4K:  # int4's codes; factors [N, ceil(K / 256), 20]: d, dmin (bf16), 8 scales, 8 minimums
+            byte = tl.load(w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=col_ok[None, :], other=0)
+            code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 15
+            at_super = (cols[None, :] * tl.cdiv(K, 256) + ks[:, None] // 256) * 20
+            block = (ks[:, None] // 32) % 8
+            d = bf16_bytes(factors_ptr + at_super, col_ok[None, :])
+            dmin = bf16_bytes(factors_ptr + at_super + 2, col_ok[None, :])
+            scale = tl.load(factors_ptr + at_super + 4 + block, mask=col_ok[None, :], other=0).to(tl.float32)
+            low = tl.load(factors_ptr + at_super + 12 + block, mask=col_ok[None, :], other=0).to(tl.int32)
+            minimum = tl.where(low >= 128, low - 256, low).to(tl.float32)  # the byte as int8
+            w = rounded(code.to(tl.float32) * (d * scale) + dmin * minimum, x.dtype)
         else:  # codes packed LSB first, code k at bit k * BITS of its row; an E8M0 scale per 32
             bit = ks[:, None] * BITS
             row_bytes = K * BITS // 8
@@ -180,10 +200,11 @@ def mx_tables(fmt: mx.ElementFormat, device) -> tuple[torch.Tensor, torch.Tensor
 
 def rows_product(x, weight, factors=None, fmt=quantize.PLAIN, bits=16, group=0, n=None, element=None,
                  parts=None):
-    """x [..., K] (already rounded as the reference rounds it) times a weight in its file's layout -> [..., N] in x's
-    dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4 bytes [N, K / 2] with factors =
-    scales_and_zeros [K / group, N, 2]; MX codes [N, K * bits / 8] with factors = E8M0 scales [N, K / 32] and
-    element its mx.ElementFormat. parts: slices of k (split-K) where not k_parts' choice (the tests)."""
+    """x [..., K] (already rounded as the reference rounds it) times a weight in its file's layout -> [..., N] in
+    x's dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4 bytes [N, K / 2] with factors
+    = scales_and_zeros [K / group, N, 2]; int4k's with factors [N, ceil(K / 256), 20]; MX codes [N, K * bits / 8]
+    with factors = E8M0 scales [N, K / 32] and element its mx.ElementFormat. parts: slices of k (split-K) where not
+    k_parts' choice (the tests)."""
     k = x.shape[-1]
     n = weight.shape[0] if n is None else n
     rows = x.reshape(-1, k).contiguous()

@@ -27,7 +27,7 @@ from model import Transformer, stacked
 
 MX_MODES = {"mxfp8": "fp8_e4m3", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2", "mxfp4": "fp4_e2m1",
             "mxint8": "int8"}
-MODES = ("int8", "int4", *MX_MODES)
+MODES = ("int8", "int4", "int4k", *MX_MODES)
 INT4_GROUPSIZES = (32, 64, 128, 256)
 
 
@@ -176,6 +176,88 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = self.scales_and_zeros[start // self.groupsize:stop // self.groupsize].contiguous()
 
 
+class Int4kLinear(nn.Module):
+    """int4 in 4.625 bits a weight (int4's groups of 32 take 5): int4's codes, and per block of 32 an 8-bit scale and a
+    signed 8-bit minimum, themselves scaled per 256 inputs by a bf16 pair (d, dmin), as llama.cpp's Q4_K scales its
+    6-bit ones: w = code * (d * scale) + dmin * minimum. factors [N, ceil(K / 256), 20] bytes per row and 256
+    inputs: d and dmin (bf16), the 8 blocks' scales, their minimums (a last, shorter super-block padded with
+    zeros). Inputs are rounded as int4's."""
+
+    mode = "int4k"
+    SUPER = 256  # inputs that share a (d, dmin) pair
+
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__()
+        supers = -(-in_features // self.SUPER)
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("factors", torch.empty(out_features, supers, 20, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    in_features = Int4Linear.in_features
+    out_features = Int8Linear.out_features
+    forward = Int4Linear.forward
+
+    def dequantize(self, rows=slice(None)):
+        """The float32 weight (of these rows): every factor exact in float32, each weight rounded once."""
+        f = self.factors[rows]
+        pair = f[..., :4].contiguous().view(torch.bfloat16).float()  # [n, supers, 2]
+        blocks = self.weight.shape[1] // 16
+        scales = (pair[..., :1] * f[..., 4:12]).flatten(1)[:, :blocks, None]
+        minimums = (pair[..., 1:] * f[..., 12:20].contiguous().view(torch.int8)).flatten(1)[:, :blocks, None]
+        codes = mx.unpack(self.weight[rows], 4).float().unflatten(-1, (-1, 32))
+        return codes.mul_(scales).add_(minimums).flatten(-2)
+
+    @classmethod
+    def quantize(cls, w):
+        """Each block's min-max scale and minimum, rounded to nearest on the 8-bit grids of its super-block's
+        (d, dmin); the weights then coded against those. (Measured against the squared error's best of rounding each
+        down or up, and against ranges never cut: both cost perplexity; docs/performance.md.)"""
+        n, k = w.shape
+        groups = w.float().unflatten(1, (-1, 32))
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        blocks, supers = k // 32, -(-k // cls.SUPER)
+        per_super = cls.SUPER // 32
+
+        def by_super(t):  # [n, blocks] -> [n, supers, 8], zeros after the last block
+            return F.pad(t, (0, supers * per_super - blocks)).view(n, supers, per_super)
+
+        def by_block(codes, factor):  # codes [n, supers, 8] times the super-block's factor -> [n, blocks, 1]
+            return (codes * factor.float()[..., None]).flatten(1)[:, :blocks, None]
+
+        step = by_super((hi - lo) / 15)
+        d = (step.amax(-1) / 255).clamp(min=1e-10).bfloat16()
+        dmin = (by_super(lo.abs()).amax(-1) / 127).clamp(min=1e-10).bfloat16()
+        scales = (step / d.float()[..., None]).round().clamp(1, 255)
+        minimums = (by_super(lo) / dmin.float()[..., None]).round().clamp(-127, 127)
+        offset = by_block(minimums, dmin)
+        codes = ((groups - offset) / by_block(scales, d)).round().clamp(0, 15).flatten(1).to(torch.uint8)
+        pair = torch.stack([d, dmin], -1).view(torch.uint8)  # [n, supers, 4]
+        factors = torch.cat([pair, scales.to(torch.uint8), minimums.to(torch.int8).view(torch.uint8)], -1)
+        return {"weight": mx.pack(codes, 4), "factors": factors}
+
+    out_multiple = 16  # as int4's tiles
+    OUTPUT_AXES = {"weight": 0, "factors": 0, "bias": 0}
+
+    @staticmethod
+    def block(groupsize):
+        return 32  # in_features: whole blocks (a last super-block may be shorter)
+
+    @classmethod
+    def empty(cls, mode, in_features, out_features, bias, groupsize):
+        return cls(in_features, out_features, bias)
+
+    @classmethod
+    def quantized(cls, mode, w, groupsize, rule):
+        return cls.quantize(w)
+
+    def keep_inputs(self, start, stop):
+        if start % self.SUPER or (stop % self.SUPER and stop != self.in_features):
+            raise InputError(f"in_features [{start}, {stop}) would split a {self.SUPER}-element int4k super-block; "
+                             "use --mode int4 for this split")
+        self.weight = self.weight[:, start // 2:stop // 2].contiguous()
+        self.factors = self.factors[:, start // self.SUPER:-(-stop // self.SUPER)].contiguous()
+
+
 class MXLinear(nn.Module):
     """OCP MX: element codes densely packed along in_features (FP6 4 codes in 3 bytes, FP4 2 per byte), one E8M0
     scale per 32 of them."""
@@ -244,18 +326,19 @@ class Format:
     reference forward, how it slices and stacks), and by the backends: what they pass their kernels comes from here
     (the code the kernels switch on, the elements' values, the inputs' rounding), never from a guess."""
     mode: str  # --mode and the file's metadata ("plain": an nn.Linear of floats)
-    code: int  # what cpu/few_rows/linear.h and gpu_kernels.py switch on (PLAIN, INT8, INT4, MX)
+    code: int  # what cpu/few_rows/linear.h and gpu_kernels.py switch on (PLAIN, INT8, INT4, MX, INT4K)
     module: type  # its nn.Module
     element: mx.ElementFormat | None = None  # MX: the elements' format (its bits, its values, its integer multiple)
     levels: int | None = None  # the inputs rounded per block of 32 to these levels (round_activations), or as they are
 
 
-PLAIN, INT8, INT4, MX = range(4)
+PLAIN, INT8, INT4, MX, INT4K = range(5)
 FORMATS = {"int8": Format("int8", INT8, Int8Linear, levels=WIDE), "int4": Format("int4", INT4, Int4Linear, levels=127),
+           "int4k": Format("int4k", INT4K, Int4kLinear, levels=127),
            **{mode: Format(mode, MX, MXLinear, mx.FORMATS[e], WIDE if mx.FORMATS[e].integer_multiple else None)
               for mode, e in MX_MODES.items()}}
 PLAIN_FORMAT = Format("plain", PLAIN, nn.Linear)
-MODULES = (Int8Linear, Int4Linear, MXLinear)  # every format's module
+MODULES = (Int8Linear, Int4Linear, Int4kLinear, MXLinear)  # every format's module
 
 
 def format_of(module) -> Format | None:
@@ -263,6 +346,13 @@ def format_of(module) -> Format | None:
     if type(module) is nn.Linear:
         return PLAIN_FORMAT
     return FORMATS[module.mode] if type(module) in MODULES else None
+
+
+def factors_of(module) -> torch.Tensor | None:
+    """What a product module's codes are multiplied by, as its file holds it (int8's and MX's scales, int4's scales and
+    zeros, int4k's factors), or None (plain weights)."""
+    return next((getattr(module, name) for name in ("scales", "scales_and_zeros", "factors") if hasattr(module, name)),
+                None)
 
 
 def output_axes(module) -> dict:

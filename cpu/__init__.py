@@ -49,7 +49,7 @@ class Linear(nn.Module):
         super().__init__()
         # (its weight's rows: a tied head split by tensor parallelism keeps nn.Linear's out_features of the whole)
         self.in_features, self.out_features, self.mode = module.in_features, module.weight.shape[0], fmt.mode
-        factors = getattr(module, "scales_and_zeros", getattr(module, "scales", None))
+        factors = quantize.factors_of(module)
         values, bits, multiple = None, 0, 0
         if fmt.element is not None:  # the values of its element codes, as mx.py defines them
             bits, multiple = fmt.element.bits, fmt.element.integer_multiple or 0

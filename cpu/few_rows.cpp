@@ -102,7 +102,7 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
   m.def("serve(str op, bool on) -> bool", &serve);
   m.def("paths() -> str[]", &paths);
-  m.def("format_codes() -> int[]", [] { return std::vector<int64_t>{PLAIN, INT8, INT4, MX}; });
+  m.def("format_codes() -> int[]", [] { return std::vector<int64_t>{PLAIN, INT8, INT4, MX, INT4K}; });
   m.def("int4_codes(Tensor tiles) -> Tensor");
   m.def("stream_read(Tensor buffer) -> int");
 }

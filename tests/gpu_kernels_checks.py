@@ -59,7 +59,7 @@ def definition(mode, module, x):
     in the input's dtype, as the reference forward multiplies it), int8's scales after the product."""
     if mode == "bf16":
         return x.double() @ module.double().T
-    levels = 127 if mode == "int4" else quantize.WIDE
+    levels = 127 if mode in ("int4", "int4k") else quantize.WIDE
     if mode.startswith("mx") and not module.fmt.integer_multiple:
         levels = None
     rows = x if levels is None else quantize.round_activations(x, levels)
@@ -68,6 +68,8 @@ def definition(mode, module, x):
     if mode == "int4":
         scales, zeros = (t.double().T.repeat_interleave(32, 1) for t in module.scales_and_zeros.unbind(-1))
         weight = (mx.unpack(module.weight, 4).double() - 8) * scales + zeros
+    elif mode == "int4k":  # each weight rounded once in float32, as its definition rounds it
+        weight = module.dequantize().double()
     else:
         weight = mx.dequantize(mx.unpack(module.weight, module.fmt.bits), module.scales, module.fmt).double()
     return rows.double() @ weight.to(x.dtype).double().T
@@ -85,14 +87,15 @@ def product_of(kernels, mode, module, x, parts=None):
                                 linear.out_features, mx.FORMATS[linear.element] if linear.element else None, parts)
 
 
-@pytest.mark.parametrize("mode, parts", [(mode, None) for mode in ["bf16", "int8", "int4", "mxfp6", "mxfp4", "mxfp8",
-                                                                    "mxfp6_e3m2"]] +
-                         [(mode, 2) for mode in ["bf16", "int8", "int4", "mxfp6"]])
+@pytest.mark.parametrize("mode, parts", [(mode, None) for mode in ["bf16", "int8", "int4", "int4k", "mxfp6", "mxfp4",
+                                                                    "mxfp8", "mxfp6_e3m2"]] +
+                         [(mode, 2) for mode in ["bf16", "int8", "int4", "int4k", "mxfp6"]])
 def test_a_product_is_its_format_s_definition_and_each_row_is_computed_alone(kernels, mode, parts):
     """parts: k in that many slices (split-K: float32 partial sums added in order), as a GPU's kernel splits it."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(N, K, generator=g) * 0.1
-    x = torch.randn(ROWS, K, generator=g).bfloat16()
+    k = 320 if mode == "int4k" else K  # int4k: a super-block of 256 inputs and a shorter one
+    w = torch.randn(N, k, generator=g) * 0.1
+    x = torch.randn(ROWS, k, generator=g).bfloat16()
     module = w.bfloat16() if mode == "bf16" else quantized(mode, w)
     product = functools.partial(product_of, parts=parts)
     together = product(kernels, mode, module, x)

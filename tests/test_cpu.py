@@ -29,7 +29,7 @@ from tokenizer import Tokenizer
 
 ROWS = backend.LONGEST_VERIFY  # a verify of K = 16
 K = 1536  # in_features (the Qwen 1.5B's)
-DENSE, BF16_TILES, INT8_TILES, INT4_TILES, FP6_TILES, FP6_TABLE = range(6)  # few_rows's layouts (linear.h)
+DENSE, BF16_TILES, INT8_TILES, INT4_TILES, FP6_TILES, FP6_TABLE, INT4K_TILES = range(7)  # few_rows's layouts (linear.h)
 # Every format few_rows.cpp multiplies, in the layout this CPU gets (-1) and in each other one it has:
 # (format, in_features, the plain module's dtype, group, layout)
 PRODUCTS = {
@@ -42,6 +42,9 @@ PRODUCTS = {
     "int8, K % 64 = 32": ("int8", K - 32, None, None, -1),
     "int4, groups of 32": ("int4", K - 32, None, 32, -1),
     "int4, groups of 128": ("int4", K, None, 128, -1),
+    "int4k": ("int4k", K, None, None, -1),
+    "int4k, a last super-block of 7 blocks": ("int4k", K - 32, None, None, -1),
+    "int4k, one short super-block": ("int4k", 96, None, None, -1),
     **{mode: (mode, K, None, None, -1) for mode in quantize.MX_MODES},
     "mxfp6, K % 64 = 32": ("mxfp6", K - 32, None, None, -1),
     "mxfp6 in 6-bit tiles": ("mxfp6", K, None, None, FP6_TILES),
@@ -50,14 +53,14 @@ PRODUCTS = {
     "mxfp6_e3m2 as packed, K % 64 = 32": ("mxfp6_e3m2", K - 32, None, None, FP6_TABLE),
     "mxfp6_e3m2 by rows": ("mxfp6_e3m2", K, None, None, DENSE),
 }
-N = 203  # outputs: not a multiple of the 16 a column tile holds (int4: 208, its multiple)
+N = 203  # outputs: not a multiple of the 16 a column tile holds (int4, int4k: 208, their multiple)
 
 
 def reference_product(case):
     """A product module of the case's format with random weights (in quantize.py's file layout) and float64 inputs."""
     mode, k, dtype, group, _ = PRODUCTS[case]
     g = torch.Generator().manual_seed(0)
-    n = 208 if mode == "int4" else N
+    n = 208 if mode in ("int4", "int4k") else N
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
     if mode == "plain":
         module = nn.Linear(k, n, bias=True).to(dtype)
@@ -124,8 +127,9 @@ def test_the_kernel_s_format_codes_are_quantize_py_s():
     """Each format's code, which the kernels switch on, is declared once (quantize.Format): few_rows.cpp's are the
     same numbers."""
     assert kernels.load()
-    assert list(torch.ops.few_rows.format_codes()) == [quantize.PLAIN, quantize.INT8, quantize.INT4, quantize.MX]
-    assert {fmt.code for fmt in quantize.FORMATS.values()} == {quantize.INT8, quantize.INT4, quantize.MX}
+    codes = [quantize.PLAIN, quantize.INT8, quantize.INT4, quantize.MX, quantize.INT4K]
+    assert list(torch.ops.few_rows.format_codes()) == codes
+    assert {fmt.code for fmt in quantize.FORMATS.values()} == set(codes[1:])
 
 
 def test_the_int4_layout_gives_back_every_code_in_place():
@@ -297,7 +301,8 @@ def test_the_portable_build_gives_the_native_build_bits(tmp_path):
     built = subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=900)
     # what its report would say: no intrinsics
     assert built.stdout.splitlines() == ["dense rows, 8-lane vectors", "bf16 tiles, plain code", "int8 tiles, plain code",
-                                         "int4 tiles, plain code", "6-bit tiles, plain code", "6-bit codes, plain code"]
+                                         "int4 tiles, plain code", "6-bit tiles, plain code", "6-bit codes, plain code",
+                                         "int4k tiles, plain code"]
     portable, native = torch.load(out), kernel_outputs()
     assert len(set(portable) & set(native)) >= 0.8 * len(native)
     different = [case for case, y in native.items() if case in portable and not torch.equal(portable[case], y)]
@@ -319,8 +324,9 @@ def test_the_avx2_build_gives_the_native_build_bits(tmp_path):
                         r"CPU\)\.\.\. done in \d+ s: .*\.so\n", first.stderr), first.stderr
     again = subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=900)
     assert again.stderr == ""
-    assert first.stdout.splitlines()[1:4] == ["bf16 tiles, fused multiply-adds (AVX2)", "int8 tiles, vpmaddwd (AVX2)",
-                                              "int4 tiles, vpmaddubsw (AVX2)"], first.stdout
+    paths = first.stdout.splitlines()
+    assert paths[1:4] + paths[6:] == ["bf16 tiles, fused multiply-adds (AVX2)", "int8 tiles, vpmaddwd (AVX2)",
+                                      "int4 tiles, vpmaddubsw (AVX2)", "int4k tiles, vpmaddubsw (AVX2)"], first.stdout
     avx2, native = torch.load(out), kernel_outputs()
     assert len(set(avx2) & set(native)) >= 0.8 * len(native)
     different = [case for case, y in native.items() if case in avx2 and not torch.equal(avx2[case], y)]
@@ -382,7 +388,7 @@ def test_the_backend_serves_every_product_and_op_and_says_what(smollm2, capsys):
     bf16_tiles = torch.ops.few_rows.paths()[1]  # how this build multiplies its bf16 tiles (linear.h's Layout order)
     assert report.serves == (f"few_rows.cpp: 121 products (121 plain in {bf16_tiles}), rms_norm and attention; "
                              f"{cpu.amx_note()}"), report.serves
-    assert bf16_tiles.startswith("bf16 tiles, ") and len(torch.ops.few_rows.paths()) == 6
+    assert bf16_tiles.startswith("bf16 tiles, ") and len(torch.ops.few_rows.paths()) == 7
     assert all(type(layer.attention.wqkv) is cpu.Linear and type(layer.feed_forward.w2) is cpu.Linear
                for layer in m.layers) and type(m.output) is cpu.Linear
     assert {"rms_norm", "attention"} <= cpu.served_ops

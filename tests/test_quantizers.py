@@ -1,5 +1,5 @@
 """quantize.py's quantizers against float64 references written here from each format's definition (int8
-per-channel symmetric, int4 groupwise asymmetric, OCP MX through ml_dtypes' casts), with error bounds that a
+per-channel symmetric, int4 groupwise asymmetric, int4k's two-level factors, OCP MX through ml_dtypes' casts), with error bounds that a
 wrong scale or zero point breaks: the tests at the end feed deliberately wrong quantizers to the same checks."""
 import ml_dtypes
 import numpy as np
@@ -82,6 +82,50 @@ def check_int4(w, tensors, groupsize):
 def test_int4_matches_its_definition(groupsize):
     w = weight(seed=groupsize)
     check_int4(w, quantize.quantize_tensor("int4", w, groupsize, None), groupsize)
+
+
+def check_int4k(w, tensors):
+    """Per block of 32 inputs of a row: s = (max - min) / 15 and the minimum rounded to nearest on the 8-bit grids of
+    the row's super-block of 256, d = max s / 255 and dmin = max |min| / 127 (bf16; scale codes 1-255, minimum codes
+    -127-127); the weights coded w = q * (d * scale) + dmin * minimum with q = round((w - offset) / step) in [0, 15]:
+    within half a step, but where the rounded step or minimum cuts the block's range."""
+    n, k = w.shape
+    blocks, supers = k // 32, -(-k // 256)
+    f = tensors["factors"]
+    assert f.dtype == torch.uint8 and f.shape == (n, supers, 20)
+    d, dmin = f[..., :4].contiguous().view(torch.bfloat16).double().unbind(-1)  # [N, supers]
+    scales, minimums = f[..., 4:12].double(), f[..., 12:20].contiguous().view(torch.int8).double()
+    groups = w.double().unflatten(1, (-1, 32))
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    pad = supers * 8 - blocks
+    s = torch.nn.functional.pad((hi - lo) / 15, (0, pad)).view(n, supers, 8)
+    low = torch.nn.functional.pad(lo, (0, pad)).view(n, supers, 8)
+    assert ((d - s.amax(-1) / 255).abs() <= s.amax(-1) / 255 * 2 ** -8).all(), "d is not max s / 255"
+    assert ((dmin - low.abs().amax(-1) / 127).abs() <= low.abs().amax(-1) / 127 * 2 ** -8).all()
+    for codes, value, limits in ((scales, s / d[..., None], (1, 255)), (minimums, low / dmin[..., None], (-127, 127))):
+        assert ((codes - value.clamp(*limits)).abs() <= 0.5 + 1e-4).flatten(1)[:, :blocks].all(), "not the nearest"
+
+    def blockwise(codes, factor):  # [N, supers, 8] codes -> [N, blocks, 1] values
+        return (codes * factor[..., None]).flatten(1)[:, :blocks, None]
+    step, offset = blockwise(scales, d), blockwise(minimums, dmin)
+    q = unpack_nibbles(tensors["weight"]).unflatten(1, (-1, 32))
+    w_hat = q * step + offset
+    assert ((dequantized("int4k", tensors, w) - w_hat.flatten(1)).abs() <= 2 ** -23 * w_hat.abs().flatten(1)).all()
+    inside = (groups >= offset) & (groups <= offset + 15 * step)
+    assert ((groups - w_hat).abs() <= 0.5 * step * (1 + 1e-6))[inside].all(), "not rounded to the nearest code"
+    assert (q[~inside] % 15 == 0).all(), "a weight outside the coded range not on its end"
+    assert abs(((groups - w_hat) / step).mean()) < 0.01, "the rounding is biased"
+
+
+def test_int4k_matches_its_definition():
+    w = weight(cols=1024 - 64)  # three super-blocks and a shorter fourth one
+    tensors = quantize.quantize_tensor("int4k", w, None, None)
+    check_int4k(w, tensors)
+    minimums = tensors["factors"][..., 12:20].view(torch.int8)
+    shifted = tensors["factors"].clone()
+    shifted[..., 12:20] = (minimums - 1).clamp(-127, 127).view(torch.uint8)  # a minimum a grid step lower
+    with pytest.raises(AssertionError):
+        check_int4k(w, dict(tensors, factors=shifted))
 
 
 # ------------------------------------------------------------------------------------------- MX

@@ -131,8 +131,8 @@ def test_a_format_is_its_record_its_kernels_and_its_tests():
     and layout (cpu/few_rows/) and its Triton kernel (gpu_kernels.py), and its tests: no other module of the library
     names a format's class or mode, nor switches on a format code but through the record."""
     import ast
-    classes = {"Int8Linear", "Int4Linear", "MXLinear", "MX_MODES", "INT8", "INT4", "MX"}
-    modes = {"int8", "int4", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8"}
+    classes = {"Int8Linear", "Int4Linear", "Int4kLinear", "MXLinear", "MX_MODES", "INT8", "INT4", "INT4K", "MX"}
+    modes = {"int8", "int4", "int4k", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8"}
     formats = {"quantize.py", "mx.py", "gpu_kernels.py"}
     found = []
     for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("cpu/*.py")):

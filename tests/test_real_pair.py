@@ -99,7 +99,7 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
 
 
 def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path):
-    """The 1.5B quantized by quantize.py (int4, int8, mxfp6) is another target: compiled and drafted by the 0.5B
+    """The 1.5B quantized by quantize.py (int4, int4k, int8, mxfp6) is another target: compiled and drafted by the 0.5B
     (int4), K = 4 and 16 with a batch of 3 and K = 1-3 and 5-8 with one prompt, its output is token for token that
     quantized target's own plain output. (test_cpu holds every format's kernels to one arithmetic at 1 to 17 rows.)"""
     import quantize
@@ -109,7 +109,7 @@ def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).symlink_to(target_dir / name)
     drafter = ModelDrafter(load_model(int4_draft, "cpu", torch.bfloat16), compile=True)
-    for mode in ("int4", "int8", "mxfp6"):
+    for mode in ("int4", "int4k", "int8", "mxfp6"):
         path = quantize.quantize_checkpoint(target_dir, mode, output=tmp_path / f"model.{mode}.safetensors",
                                             progress=False)
         target = load_model(path, "cpu", torch.bfloat16)

@@ -161,20 +161,17 @@ inline int32_t four_bytes(const void* p) {
   return v;
 }
 
-// int4 tiles (linear.h's int4_layout writes them): codes [N / 16, K / 32, 256], per tile and block 4 quarters of 64
+// int4 tiles (linear.h's int4_code_tiles writes them): codes [N / 16, K / 32, 256], per tile and block 4 quarters of 64
 // bytes; in quarter t, byte 4c + j holds column c's code of k = 8t + j in its low nibble and of k = 8t + 4 + j in its
-// high one (one mask, and one shift and mask, give two vectors of codes). Factors bf16 [N / 16, K / group, 2, 16]:
-// per tile and group the 16 columns' scales, then their zeros, as the file has them: w = (code - 8) * scale + zero.
+// high one (one mask, and one shift and mask, give two vectors of codes). Each group of blocks has a scale and an
+// offset per column, read by the format's factors (GroupFactors: int4, Int4kFactors: int4k): w = code * scale + offset.
 // Per column and row: y = sum over groups g of (sum over g's blocks b of float(dot_b) * (scale_g * d_b)) +
-// (zero_g - 8 scale_g) * group_sum_g, fused multiply-adds in that order, where dot_b = sum of code * q, an exact
-// integer.
+// offset_g * group_sum_g, fused multiply-adds in that order, where dot_b = sum of code * q, an exact integer.
 struct Int4Tiles {
   static constexpr int BYTES = 256;  // a block of a tile
   const uint8_t* codes;
-  const uint16_t* factors;
   int64_t K, shift;  // in_features; log2 of the group length
   const uint8_t* block(int64_t tile, int64_t b) const { return codes + (tile * (K / BLOCK) + b) * BYTES; }
-  const uint16_t* group(int64_t tile, int64_t g) const { return factors + (tile * (K >> shift) + g) * 2 * TILE; }
   // Column c's code of k = 32 b + i, for the plain code and the test that reads the layout back.
   static int code(const uint8_t* block, int c, int i) {
     const uint8_t byte = block[64 * (i / 8) + 4 * c + i % 4];
@@ -182,13 +179,91 @@ struct Int4Tiles {
   }
 };
 
+#if FR_AVX512F
+inline __m512 bf16_vector(const uint16_t* p) {  // 16 bf16 as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
+#if FR_AVX2
+inline __m256 bf16_half(const uint16_t* p) {  // 8 bf16 as float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+// int4's factors, as its file has them: bf16 [N / 16, K / group, 2, 16], per tile and group the 16 columns' scales,
+// then their zeros: w = (code - 8) * scale + zero, so offset = zero - 8 scale (fused).
+struct GroupFactors {
+  const uint16_t* f;
+  int64_t groups;
+  const uint16_t* at(int64_t tile, int64_t g) const { return f + (tile * groups + g) * 2 * TILE; }
+  float scale(int64_t tile, int64_t g, int c) const { return bf16_value(at(tile, g)[c]); }
+  float offset(int64_t tile, int64_t g, int c) const {
+    return std::fma(-8.f, scale(tile, g, c), bf16_value(at(tile, g)[TILE + c]));
+  }
+#if FR_AVX512F
+  __m512 scales(int64_t tile, int64_t g) const { return bf16_vector(at(tile, g)); }
+  __m512 offsets(int64_t tile, int64_t g, __m512 scale) const {
+    return _mm512_fmadd_ps(_mm512_set1_ps(-8.f), scale, bf16_vector(at(tile, g) + TILE));
+  }
+#endif
+#if FR_AVX2 && FR_FMA
+  __m256 scales(int64_t tile, int64_t g, int h) const { return bf16_half(at(tile, g) + 8 * h); }
+  __m256 offsets(int64_t tile, int64_t g, int h, __m256 scale) const {
+    return _mm256_fmadd_ps(_mm256_set1_ps(-8.f), scale, bf16_half(at(tile, g) + TILE + 8 * h));
+  }
+#endif
+};
+
+// int4k's factors (linear.h's int4k_layout): [N / 16, ceil(K / 256), 320] bytes, per tile and 256 inputs the 16
+// columns' d (bf16), their dmin (bf16), then per block of 32 (a group) the 16 scales (uint8) and the 16 minimums
+// (int8): scale = d * scale code, offset = dmin * minimum code, both exact in float32.
+struct Int4kFactors {
+  static constexpr int BYTES = 320, PER = 8;  // per tile and super-block; blocks a super-block
+  const uint8_t* f;
+  int64_t supers;
+  const uint8_t* at(int64_t tile, int64_t g) const { return f + (tile * supers + g / PER) * BYTES; }
+  const uint8_t* codes(int64_t tile, int64_t g) const { return at(tile, g) + 64 + 32 * (g % PER); }
+  float scale(int64_t tile, int64_t g, int c) const {
+    uint16_t d;
+    std::memcpy(&d, at(tile, g) + 2 * c, 2);
+    return bf16_value(d) * float(codes(tile, g)[c]);
+  }
+  float offset(int64_t tile, int64_t g, int c) const {
+    uint16_t dmin;
+    std::memcpy(&dmin, at(tile, g) + 32 + 2 * c, 2);
+    return bf16_value(dmin) * float(int8_t(codes(tile, g)[TILE + c]));
+  }
+#if FR_AVX512F
+  __m512 scales(int64_t tile, int64_t g) const {
+    const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes(tile, g))));
+    return _mm512_mul_ps(bf16_vector((const uint16_t*)at(tile, g)), code);
+  }
+  __m512 offsets(int64_t tile, int64_t g, __m512) const {
+    const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes(tile, g) + TILE))));
+    return _mm512_mul_ps(bf16_vector((const uint16_t*)(at(tile, g) + 32)), code);
+  }
+#endif
+#if FR_AVX2 && FR_FMA
+  __m256 scales(int64_t tile, int64_t g, int h) const {
+    const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes(tile, g) + 8 * h))));
+    return _mm256_mul_ps(bf16_half((const uint16_t*)(at(tile, g) + 16 * h)), code);
+  }
+  __m256 offsets(int64_t tile, int64_t g, int h, __m256) const {
+    const __m256 code = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(codes(tile, g) + TILE + 8 * h))));
+    return _mm256_mul_ps(bf16_half((const uint16_t*)(at(tile, g) + 32 + 16 * h)), code);
+  }
+#endif
+};
+
 // Output column c of a tile for row m, in plain code: tile_int4's scalar reference.
-inline float int4_output_reference(const Int4Tiles& w, const RoundedRows& a, int64_t m, int64_t tile, int c) {
+template <class Factors>
+inline float int4_output_reference(const Int4Tiles& w, const Factors& fs, const RoundedRows& a, int64_t m,
+                                   int64_t tile, int c) {
   const int64_t blocks = w.K / BLOCK, G = w.K >> w.shift, per_group = blocks / G;
   float acc = 0.f;
   for (int64_t g = 0; g < G; g++) {
-    const uint16_t* f = w.group(tile, g);
-    const float scale = bf16_value(f[c]), offset = std::fma(-8.f, scale, bf16_value(f[TILE + c]));
+    const float scale = fs.scale(tile, g, c), offset = fs.offset(tile, g, c);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
       int32_t dot = 0;
       for (int i = 0; i < BLOCK; i++) dot += Int4Tiles::code(w.block(tile, b), c, i) * a.codes(b, m)[i];
@@ -204,9 +279,9 @@ inline float int4_output_reference(const Int4Tiles& w, const RoundedRows& a, int
 // (one chain of vpdpbusd waited on itself), more rows interleave theirs. AVX2: vpmaddubsw pairs (at most
 // 2 * 15 * 127), 8 of a block added in 16 bits (at most 30480), one vpmaddwd to 32; the tile in two halves of 8
 // columns.
-template <int R>
-__attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& a, int64_t N, int64_t m0,
-                                         int64_t tile, float* y) {
+template <int R, class Factors>
+__attribute__((noinline)) void tile_int4(const Int4Tiles& w, const Factors& fs, const RoundedRows& a, int64_t N,
+                                         int64_t m0, int64_t tile, float* y) {
   const int64_t blocks = w.K / BLOCK, G = w.K >> w.shift, per_group = blocks / G, M = a.M;
   float* out = y + m0 * N + tile * TILE;  // row r's 16 outputs at out + r * N
 #if FR_AVX512VNNI && FR_AVX512BW
@@ -216,8 +291,7 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& 
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   const uint8_t* p = w.block(tile, 0);
   for (int64_t g = 0; g < G; g++) {
-    const uint16_t* f = w.group(tile, g);
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)f)), 16));
+    const __m512 scale = fs.scales(tile, g);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
       const int8_t* q = a.codes(b, m0);  // row r's 32 at q + 32 r
       const float* d = &a.d[b * M + m0];
@@ -241,8 +315,7 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& 
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d[r])), acc[r]);
       }
     }
-    const __m512 zero = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(f + TILE))), 16));
-    const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), scale, zero);
+    const __m512 offset = fs.offsets(tile, g, scale);
     const float* gs = &a.group_sums[g * M + m0];
     for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(gs[r]), acc[r]);
   }
@@ -253,7 +326,7 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& 
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const uint8_t* p = w.block(tile, 0);
   for (int64_t g = 0; g < G; g++) {
-    const uint16_t* f = w.group(tile, g);
+    const __m256 scales[2] = {fs.scales(tile, g, 0), fs.scales(tile, g, 1)};
     for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
       const int8_t* q = a.codes(b, m0);
       const float* d = &a.d[b * M + m0];
@@ -270,18 +343,15 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& 
             pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(x + 4))));
           }
         }
-        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(f + 8 * h))), 16));
         for (int r = 0; r < R; r++) {
           const __m256i dot = _mm256_madd_epi16(pairs[r], ones);
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r])), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scales[h], _mm256_set1_ps(d[r])), acc[r][h]);
         }
       }
     }
     const float* gs = &a.group_sums[g * M + m0];
     for (int h = 0; h < 2; h++) {
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(f + 8 * h))), 16));
-      const __m256 zero = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(f + TILE + 8 * h))), 16));
-      const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.f), scale, zero);
+      const __m256 offset = fs.offsets(tile, g, h, scales[h]);
       for (int r = 0; r < R; r++) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(gs[r]), acc[r][h]);
     }
   }
@@ -289,45 +359,66 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const RoundedRows& 
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + 8 * h, acc[r][h]);
 #else
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < TILE; c++) out[r * N + c] = int4_output_reference(w, a, m0 + r, tile, c);
+    for (int c = 0; c < TILE; c++) out[r * N + c] = int4_output_reference(w, fs, a, m0 + r, tile, c);
 #endif
 }
 
-template <int R = 1>
-inline void tile_int4_of(int r, const Int4Tiles& w, const RoundedRows& a, int64_t N, int64_t m0, int64_t tile, float* y) {
+template <int R = 1, class Factors>
+inline void tile_int4_of(int r, const Int4Tiles& w, const Factors& fs, const RoundedRows& a, int64_t N, int64_t m0,
+                         int64_t tile, float* y) {
   if constexpr (R < TILE_ROWS) {
-    if (r > R) return tile_int4_of<R + 1>(r, w, a, N, m0, tile, y);
+    if (r > R) return tile_int4_of<R + 1>(r, w, fs, a, N, m0, tile, y);
   }
-  tile_int4<R>(w, a, N, m0, tile, y);
+  tile_int4<R>(w, fs, a, N, m0, tile, y);
 }
 
-// x [M, K] (float32) times int4 tiles [N / 16, K / 32, 256] with their factors [N / 16, K / group, 2, 16] (bf16):
-// each tile once from memory, its passes of rows one after another (the tile stays in cache between them), the
-// tiles split over every core. M may be a prompt's thousands of rows: the weights are read once all the same.
-at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor& factors) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == Int4Tiles::BYTES && w.is_contiguous(),
-              "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
+// x [M, K] (float32) times int4 tiles [N / 16, K / 32, 256] and their factors: each tile once from memory, its passes
+// of rows one after another (the tile stays in cache between them), the tiles split over every core. M may be a
+// prompt's thousands of rows: the weights are read once all the same.
+template <class Factors>
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& w, const Factors& fs, int64_t shift) {
   const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * BLOCK, M = x.size(0);
-  check_rows(x, K);
-  TORCH_CHECK(factors.scalar_type() == at::kBFloat16 && factors.is_contiguous() && factors.dim() == 4 &&
-                  factors.size(0) == tiles && factors.size(2) == 2 && factors.size(3) == TILE,
-              "few_rows: int4 tiles need bf16 factors [N / 16, K / group, 2, 16]");
-  const int64_t shift = block_shift(K, factors.size(1), "int4 groups");
-  TORCH_CHECK(shift >= 5, "few_rows: int4 groups must hold at least 32 elements");
   const RoundedRows a = round_rows<int8_t>(x.data_ptr<float>(), M, K, shift);
   at::Tensor y = at::empty({M, N}, x.options());
-  const Int4Tiles weight{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(factors.data_ptr()), K, shift};
+  const Int4Tiles weight{w.data_ptr<uint8_t>(), K, shift};
   float* yp = y.data_ptr<float>();
-  over_tiles(tiles, M, K / 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_int4_of(r, weight, a, N, m, t, yp); });
+  over_tiles(tiles, M, K / 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_int4_of(r, weight, fs, a, N, m, t, yp); });
   return y;
 }
 
-// The codes [N, K] as Int4Tiles reads them, for the test that round-trips int4_layout.
+void check_int4_tiles(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == Int4Tiles::BYTES && w.is_contiguous(),
+              "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
+  check_rows(x, w.size(1) * BLOCK);
+}
+
+// int4: bf16 factors [N / 16, K / group, 2, 16] (GroupFactors).
+at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor& factors) {
+  check_int4_tiles(x, w);
+  TORCH_CHECK(factors.scalar_type() == at::kBFloat16 && factors.is_contiguous() && factors.dim() == 4 &&
+                  factors.size(0) == w.size(0) && factors.size(2) == 2 && factors.size(3) == TILE,
+              "few_rows: int4 tiles need bf16 factors [N / 16, K / group, 2, 16]");
+  const int64_t shift = block_shift(w.size(1) * BLOCK, factors.size(1), "int4 groups");
+  TORCH_CHECK(shift >= 5, "few_rows: int4 groups must hold at least 32 elements");
+  return int4_product(x, w, GroupFactors{reinterpret_cast<const uint16_t*>(factors.data_ptr()), factors.size(1)}, shift);
+}
+
+// int4k: factors [N / 16, ceil(K / 256), 320] bytes (Int4kFactors), a group a block.
+at::Tensor int4k_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor& factors) {
+  check_int4_tiles(x, w);
+  TORCH_CHECK(factors.scalar_type() == at::kByte && factors.is_contiguous() && factors.dim() == 3 &&
+                  factors.size(0) == w.size(0) && factors.size(1) == (w.size(1) + Int4kFactors::PER - 1) / Int4kFactors::PER &&
+                  factors.size(2) == Int4kFactors::BYTES,
+              "few_rows: int4k tiles need factors uint8 [N / 16, ceil(K / 256), 320]");
+  return int4_product(x, w, Int4kFactors{factors.data_ptr<uint8_t>(), factors.size(1)}, 5);
+}
+
+// The codes [N, K] as Int4Tiles reads them, for the test that round-trips int4_code_tiles.
 at::Tensor int4_codes(const at::Tensor& tiles) {
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
                   tiles.size(2) == Int4Tiles::BYTES, "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
   const int64_t N = tiles.size(0) * TILE, K = tiles.size(1) * BLOCK;
-  const Int4Tiles w{tiles.data_ptr<uint8_t>(), nullptr, K, 5};
+  const Int4Tiles w{tiles.data_ptr<uint8_t>(), K, 5};
   at::Tensor codes = at::empty({N, K}, tiles.options());
   uint8_t* out = codes.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; n++)

@@ -5,7 +5,7 @@
 namespace {
 
 // quantize.py's Format.code: what a format is, as its record declares it (tests/test_cpu.py holds the two equal).
-enum FormatCode : int64_t { PLAIN = 0, INT8 = 1, INT4 = 2, MX = 3 };
+enum FormatCode : int64_t { PLAIN = 0, INT8 = 1, INT4 = 2, MX = 3, INT4K = 4 };
 
 // How layout() laid a weight out for this CPU; linear() takes it back.
 enum Layout : int64_t {
@@ -15,6 +15,7 @@ enum Layout : int64_t {
   INT4_TILES = 3,  // int4 column tiles [N / 16, K / 32, 256], bf16 factors [N / 16, K / g, 2, 16] (Int4Tiles)
   FP6_TILES = 4,   // MX 6-bit column tiles [N / 16, K / 32, 384], E8M0 factors [N / 16, K / 32, 16], int16 table [65]
   FP6_TABLE = 5,   // MX 6-bit codes as the file packs them [N, K * 3 / 4], E8M0 scales [N, K / 32], bf16 table [64]
+  INT4K_TILES = 6,  // int4 column tiles as INT4_TILES, factors uint8 [N / 16, ceil(K / 256), 320] (Int4kFactors)
 };
 
 // How this build multiplies each layout, by Layout (what a backend report and --verbose say).
@@ -26,7 +27,8 @@ std::vector<std::string> paths() {
           vnni ? "int8 tiles, vpdpwssd (AVX512_VNNI)" : avx2 ? "int8 tiles, vpmaddwd (AVX2)" : "int8 tiles, plain code",
           vnni ? "int4 tiles, vpdpbusd (AVX512_VNNI)" : avx2 ? "int4 tiles, vpmaddubsw (AVX2)" : "int4 tiles, plain code",
           Fp6Codes::VECTOR ? "6-bit tiles as packed, vpdpwssd (AVX512_VBMI, AVX512_VNNI)" : "6-bit tiles, plain code",
-          kFastFp6 ? "6-bit codes through a bf16 table (AVX512_VBMI, AVX512_BF16)" : "6-bit codes, plain code"};
+          kFastFp6 ? "6-bit codes through a bf16 table (AVX512_VBMI, AVX512_BF16)" : "6-bit codes, plain code",
+          vnni ? "int4k tiles, vpdpbusd (AVX512_VNNI)" : avx2 ? "int4k tiles, vpmaddubsw (AVX2)" : "int4k tiles, plain code"};
 }
 
 // ---------------------------------------------------------------- layouts, made once at load
@@ -82,18 +84,32 @@ at::Tensor unpack(const at::Tensor& packed, int64_t bits) {
   return codes;
 }
 
-// Int4Tiles from the file's codes [N, K / 2] (two a byte) and bf16 (scale, zero) [K / g, N, 2]: tile T's block b holds
-// 4 quarters of 64 bytes, byte 4c + j of quarter t the codes of column 16T + c at k = 32b + 8t + j (low nibble) and
-// 32b + 8t + 4 + j (high nibble); factors [N / 16, K / g, 2, 16]: per tile and group the 16 columns' scales, then
-// their zeros.
-std::pair<at::Tensor, at::Tensor> int4_layout(const at::Tensor& packed, const at::Tensor& scales_and_zeros) {
+// Int4Tiles' codes from the file's [N, K / 2] (two a byte): tile T's block b holds 4 quarters of 64 bytes, byte 4c + j
+// of quarter t the codes of column 16T + c at k = 32b + 8t + j (low nibble) and 32b + 8t + 4 + j (high nibble).
+at::Tensor int4_code_tiles(const at::Tensor& packed) {
   const at::Tensor codes = unpack(packed, 4);
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(N % TILE == 0, "few_rows: int4 needs out_features a multiple of 16, not ", N);
   const at::Tensor quads = codes.view({N / TILE, TILE, K / BLOCK, 4, 2, 4}).permute({0, 2, 3, 1, 5, 4});
-  const at::Tensor tiles = (quads.select(-1, 0) | quads.select(-1, 1).__lshift__(4)).reshape({N / TILE, K / BLOCK, 256});
-  const at::Tensor factors = scales_and_zeros.view({-1, N / TILE, TILE, 2}).permute({1, 0, 3, 2}).contiguous();
-  return {tiles.contiguous(), factors};
+  return (quads.select(-1, 0) | quads.select(-1, 1).__lshift__(4)).reshape({N / TILE, K / BLOCK, 256}).contiguous();
+}
+
+// int4's bf16 (scale, zero) [K / g, N, 2] as GroupFactors reads them: [N / 16, K / g, 2, 16], per tile and group the
+// 16 columns' scales, then their zeros.
+at::Tensor int4_factor_tiles(const at::Tensor& scales_and_zeros) {
+  const int64_t N = scales_and_zeros.size(1);
+  return scales_and_zeros.view({-1, N / TILE, TILE, 2}).permute({1, 0, 3, 2}).contiguous();
+}
+
+// int4k's factors [N, S, 20] (per row and 256 inputs: d, dmin as bf16 bytes, 8 scale codes, 8 minimum codes) as
+// Int4kFactors reads them: [N / 16, S, 320], per tile and super-block the 16 columns' d, their dmin, then per block
+// the 16 scale codes and the 16 minimum codes.
+at::Tensor int4k_factor_tiles(const at::Tensor& factors) {
+  const int64_t N = factors.size(0), S = factors.size(1);
+  const at::Tensor t = factors.contiguous().view({N / TILE, TILE, S, 20}).permute({0, 2, 1, 3});  // [T, S, 16, 20]
+  const at::Tensor pairs = t.narrow(3, 0, 4).reshape({N / TILE, S, TILE, 2, 2}).permute({0, 1, 3, 2, 4});
+  const at::Tensor codes = t.narrow(3, 4, 16).reshape({N / TILE, S, TILE, 2, 8}).permute({0, 1, 4, 3, 2});
+  return at::cat({pairs.reshape({N / TILE, S, 64}), codes.reshape({N / TILE, S, 256})}, 2).contiguous();
 }
 
 // Fp6Codes' tiles from codes [N, K] (0..63): tile T's block b holds 8 quads of 48 bytes, each 64 codes packed as the
@@ -152,10 +168,12 @@ std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Ten
       return {DENSE, w, {}, {}};
     case INT8:
       return {INT8_TILES, pair_tiles(w), whole_tiles(factors->to(at::kFloat)).view({-1, TILE}), {}};
-    case INT4: {  // (the file's bf16 scales and zeros, which a model cast to float32 holds exactly)
-      const auto [tiles, f] = int4_layout(w, factors->to(at::kBFloat16));
-      return {INT4_TILES, tiles, f, {}};
-    }
+    case INT4:  // (the file's bf16 scales and zeros, which a model cast to float32 holds exactly)
+      return {INT4_TILES, int4_code_tiles(w), int4_factor_tiles(factors->to(at::kBFloat16)), {}};
+    case INT4K:
+      TORCH_CHECK(factors->scalar_type() == at::kByte && factors->dim() == 3 && factors->size(2) == 20,
+                  "few_rows: int4k factors are uint8 [N, ceil(K / 256), 20]");
+      return {INT4K_TILES, int4_code_tiles(w), int4k_factor_tiles(*factors), {}};
     case MX: {
       TORCH_CHECK(values && values->numel() == (int64_t(1) << bits), "few_rows: MX needs the values of its codes");
       const at::Tensor scales = factors->contiguous();
@@ -199,6 +217,7 @@ at::Tensor product_rows(const at::Tensor& rows, int64_t lay, const at::Tensor& w
     case BF16_TILES: return bf16_tiles(rows, w);
     case INT8_TILES: return wide_tiles(rows, w, *f, {});
     case INT4_TILES: return int4_tiles(rows, w, *f);
+    case INT4K_TILES: return int4k_tiles(rows, w, *f);
     case FP6_TILES: return wide_tiles(rows, w, *f, table);
     case FP6_TABLE: {  // 16 rows a call: the rounded inputs of a prompt stay in cache
       if (rows.size(0) <= 16) return fp6(rows, w, *f, *table);

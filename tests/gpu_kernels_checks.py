@@ -1,7 +1,7 @@
 """The CUDA backend's Triton kernels (gpu_kernels.py), run by Triton's interpreter on CPU tensors: each product
 against a float64 reference from its format's definition, every row bit for bit the same at 1, 2, ..., 17 rows,
 attention likewise, and a tiny model served by gpu.py's modules against model.py in float32. The interpreter checks
-indexing, decoding and row invariance, not a GPU's bits: scripts/gpu_check.sh runs tests/test_cuda.py on one.
+indexing, decoding and row invariance, not a GPU's bits: scripts/gpu_check_more.sh runs tests/test_cuda.py on one.
 
 Triton reads TRITON_INTERPRET when it is first imported (and torch imports it on its own), so these run in a process
 of their own: tests/test_gpu.py starts it.

@@ -117,21 +117,56 @@ def test_bench_load_times_fresh_processes(tiny, capsys):
 
 
 def test_the_rows_check_script_reports_every_mode(tiny):
-    """scripts/verify_rows.py, the first part of scripts/gpu_check.sh, on the CPU with model.py alone: one line a
-    mode with the longest verify that computes each row as a decode step does (model.py's bf16 here: every row); a
-    missing config or an unknown device is one line."""
+    """scripts/verify_rows.py, a part of scripts/gpu_check.sh, on the CPU with model.py alone: one line a mode with the
+    longest verify that computes each row as a decode step does (model.py's bf16 here: every row), then with
+    --compiled a line a mode for the compiled step; a missing config or an unknown device is one line."""
     import re
     ckpt, _ = tiny("llama_gqa_tied")
     result = cli(ckpt / "config.json", "--device", "cpu", "--backend", "torch", script="scripts/verify_rows.py")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["bf16", "int8", "int4", "mxfp6", "mxfp4"], result.stdout
+    assert [line.split(":")[0] for line in lines] == ["bf16", "int8", "int4", "int4k", "mxfp6", "mxfp4"], result.stdout
     for line in lines:
         assert re.fullmatch(r"\w+: verify rows computed as a decode step computes them: 1 to 17 \([\d.]+ s\)", line), line
+    # the step compiled on two layers, served by the CPU backend: a verify's logits are the decode steps', bit for bit
+    result = cli(ckpt / "config.json", "--device", "cpu", "--compiled", "bf16,int4k", script="scripts/verify_rows.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for mode, line in zip(["bf16", "int4k"], result.stdout.splitlines()[-2:]):
+        assert re.fullmatch(rf"{mode}, compiled, 2 layers: a verify of 8 tokens and 8 decode steps: bit for bit "
+                            r"\([\d.]+ s\)", line), line
     assert_one_line_error(cli(ckpt / "nope.json", "--device", "cpu", script="scripts/verify_rows.py"), "nope.json",
                           "not found")
     assert_one_line_error(cli(ckpt / "config.json", "--device", "tpu", script="scripts/verify_rows.py"),
                           "--device tpu: not supported")
+
+
+def test_the_products_benchmark_prints_a_line_as_each_cell_finishes(tiny):
+    """scripts/bench_products.py, the first part of scripts/gpu_check.sh, at a tiny model's shapes: a line per format
+    and rows on the CPU backend, and on the Triton rows kernels in Triton's interpreter (TRITON_INTERPRET=1), as a GPU
+    runs them; an unknown mode is one line."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    import sys
+    from conftest import ROOT
+    ckpt, _ = tiny("llama_gqa_tied")
+    config = ckpt / "config.json"
+    for extra, env in (([], {}), (["--triton", "--modes", "bf16,int4k,mxfp6"], {"TRITON_INTERPRET": "1"})):
+        if extra and importlib.util.find_spec("triton") is None:
+            continue
+        result = subprocess.run([sys.executable, "scripts/bench_products.py", str(config), "--device", "cpu", "--rows",
+                                 "1,3", "--repeats", "1", *extra], capture_output=True, text=True, cwd=ROOT,
+                                env=dict(os.environ, **env), timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = result.stdout.splitlines()
+        modes = extra[-1].split(",") if extra else ["bf16", "int8", "int4", "int4k", "mxfp6", "mxfp4"]
+        assert lines[0].startswith("# one layer of ") and len(lines) == 1 + 2 * len(modes), result.stdout
+        for line, (mode, rows) in zip(lines[1:], [(m, r) for m in modes for r in (1, 3)]):
+            assert re.fullmatch(rf" *{mode} +{rows} rows: +[\d.]+ ms +[\d.]+ GB/s +[\d.]+x the first cell's time",
+                                line), line
+    assert_one_line_error(cli(config, "--device", "cpu", "--modes", "int3", script="scripts/bench_products.py"),
+                          "--modes int3: unknown")
 
 
 def test_bench_rows_prints_every_format_and_row_count(quantized, capsys):

@@ -190,7 +190,7 @@ def test_cli_py_imports_the_standard_library_only():
 
 CLIS = ["generate.py", "quantize.py", "scripts/convert_checkpoint.py", "scripts/export_qaic.py", "scripts/run_onnx.py",
         "scripts/eval_ppl.py", "scripts/bench.py", "scripts/bench_load.py", "scripts/fetch_demo.py",
-        "scripts/fetch_models.py", "scripts/verify_rows.py", "scripts/bench_rows.py"]
+        "scripts/fetch_models.py", "scripts/verify_rows.py", "scripts/bench_rows.py", "scripts/bench_products.py"]
 
 
 @pytest.mark.parametrize("script", CLIS)

@@ -4,7 +4,7 @@ pytest). Skipped under pytest where CUDA is absent. TEST_CUDA_DEVICE=cpu runs ev
 alone (no CPU backend: Inductor compiles model.py, as it does on CUDA), to check the checks where no GPU is at hand.
 
     python tests/test_cuda.py      # on the GPU machine: every check, one line each, exit status 1 if one fails
-    bash scripts/gpu_check.sh      # that, then the 7B-shaped bench rows, into one log (docs/cuda.md)
+    bash scripts/gpu_check_more.sh # that, then 7B-shaped bench rows, into one log (docs/cuda.md)
 
 The checks: a verify's K + 1 rows computed as K + 1 decode steps compute them, bit for bit (what exactness rests
 on); greedy speculation == plain greedy (the target's int8 copy as a model drafter, and n-grams; K 4 and 16; each

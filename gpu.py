@@ -101,7 +101,7 @@ def rows_refusal(transformer) -> str | None:
 
 def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
     """Serve model.py's ops on the Triton kernels and swap every product whose in_features the kernels take
-    (multiples of BLOCK_K) for a RowsLinear, each kind spot-checked first. -> (products served, those refused with
+    (multiples of 64, BLOCK_KS) for a RowsLinear, each kind spot-checked first. -> (products served, those refused with
     why)."""
     import gpu_kernels
     weight = transformer.tok_embeddings.weight
@@ -111,7 +111,7 @@ def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
         return torch.randn(*shape, generator=g, device=weight.device).to(weight.dtype)
     served, refused, verdicts = 0, [], {}
     for name, ref in [(n, m) for n, m in transformer.named_modules() if quantize.format_of(m) is not None]:
-        if ref.in_features % gpu_kernels.BLOCK_K:
+        if ref.in_features % gpu_kernels.BLOCK_KS[-1]:
             refused.append(f"{name} (in_features {ref.in_features})")
             continue
         kind = (type(ref), getattr(ref, "mode", None), ref.in_features, ref.out_features)

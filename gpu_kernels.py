@@ -5,11 +5,11 @@ a row alone does). The weights are decoded in registers, never copied dequantize
 
 - `rows_product`: y [M, N] = x [M, K] @ W^T for bf16, int8 (per channel), int4 (groupwise, quantize.py's file
   layout), int4k (two-level factors) and MX (4, 6 and 8-bit codes as mx.pack packs them, E8M0 scales) weights: the
-  rows in tiles of BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in
-  BLOCK_K steps, split into slices by the weight's shape alone (k_parts), their float32 partial sums added in slice
-  order. Each weight is decoded as quantize.py's reference decodes it (to float32, then the input's dtype), and
-  multiplied by tl.dot in float32; the inputs are rounded beforehand as the reference rounds them
-  (round_activations).
+  rows in tiles of BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in steps
+  of 128 (64 where K is not a multiple of 128), split into slices by the weight's shape alone (k_parts), their float32
+  partial sums added in slice order. Each weight is decoded as quantize.py's reference decodes it (to float32, then
+  the input's dtype), and multiplied by tl.dot with float32 sums (bf16 operands on a GPU, float32 in the
+  interpreter); the inputs are rounded beforehand as the reference rounds them (round_activations).
 - `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots, in parts of
   the cache fixed by its length (not by the number of rows), each with an online softmax in float32, the parts then
   combined in order.
@@ -20,6 +20,7 @@ Run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, set before this 
 tests/gpu_kernels_checks.py checks them without a GPU.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -32,7 +33,11 @@ import quantize
 PLAIN, INT8, INT4, MX, INT4K = (tl.constexpr(code) for code in
                                (quantize.PLAIN, quantize.INT8, quantize.INT4, quantize.MX, quantize.INT4K))
 
-BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S = 16, 32, 64, 64
+BLOCK_M, BLOCK_N, BLOCK_S = 16, 32, 64
+BLOCK_KS = (128, 64)  # a product's k step: the largest of these that divides its K (k_parts); 64 at least
+WARPS, STAGES = 4, 3  # a product program's warps and its pipeline's depth (unmeasured on a GPU: docs/cuda.md)
+# The interpreter multiplies bf16 operands wrongly: there they are float32 (exact for bf16 values, the same products)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -53,8 +58,8 @@ def bf16_bytes(p, mask):
 
 @triton.jit(do_not_specialize=["M"])  # a specialization for M == 1 would be another kernel for a decode
 def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, partial_ptr, M, N, K, group, K_PART,
-                   FORMAT: tl.constexpr, BITS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
+                   FORMAT: tl.constexpr, BITS: tl.constexpr, PRECISION: tl.constexpr, AS_FLOAT32: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(2)  # of PARTS slices of k, K_PART each (a multiple of BLOCK_K)
@@ -98,9 +103,12 @@ def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, pa
             e8m0 = tl.load(factors_ptr + cols[None, :] * (K // 32) + ks[:, None] // 32, mask=col_ok[None, :],
                            other=127)
             w = rounded(tl.load(table_ptr + code) * tl.load(scales_ptr + e8m0.to(tl.int32)), x.dtype)
-        # float32 operands: a bf16 value is exact in tf32, so the products are the bf16 ones (and Triton's
-        # interpreter multiplies bf16 operands wrongly); float32 models multiply in full float32 ("ieee")
-        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        # bf16 operands on a GPU (exact products, float32 sums, every row of the tile alike); float32 in the
+        # interpreter (a bf16 value is exact in float32: the same products); float32 models in full float32 ("ieee")
+        if AS_FLOAT32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, w, acc)
     if PARTS == 1:
         finish(acc, factors_ptr, out_ptr, rows, cols, M, N, FORMAT)
     else:  # float32 partial sums [PARTS, M, N], added by sum_parts_kernel
@@ -212,28 +220,32 @@ def rows_product(x, weight, factors=None, fmt=quantize.PLAIN, bits=16, group=0, 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     table, scales = mx_tables(element, x.device) if fmt == quantize.MX else (weight, weight)  # (unread but by MX)
     factors = weight if factors is None else factors
-    parts, k_part = k_parts(n, k, x.device, parts)
+    parts, k_part, block_k = k_parts(n, k, x.device, parts)
     partial = torch.empty(parts, m, n, dtype=torch.float32, device=x.device) if parts > 1 else out
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
+    float32 = x.dtype == torch.float32
     product_kernel[grid + (parts,)](rows, weight, factors, table, scales, out, partial, m, n, k, group, k_part,
-                                    FORMAT=fmt, BITS=bits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PARTS=parts)
+                                    FORMAT=fmt, BITS=bits, PRECISION="ieee" if float32 else "tf32",
+                                    AS_FLOAT32=float32 or INTERPRETED, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                    BLOCK_K=block_k, PARTS=parts, num_warps=WARPS, num_stages=STAGES)
     if parts > 1:
         sum_parts_kernel[grid](partial, factors, out, m, n, FORMAT=fmt, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PARTS=parts)
     return out.view(*x.shape[:-1], n)
 
 
 @functools.lru_cache(maxsize=None)  # (a step asks for each product's, every call)
-def k_parts(n, k, device, parts=None) -> tuple[int, int]:
-    """How many slices of k a product of N x K takes (split-K), and their length: by its shape and the GPU alone,
-    never by its rows (a decode's and a verify's rows then add the same partial sums in the same order). Enough
-    programs for two a multiprocessor, at least 4 BLOCK_K steps a slice; or about `parts` slices."""
+def k_parts(n, k, device, parts=None) -> tuple[int, int, int]:
+    """How many slices of k a product of N x K takes (split-K), their length and its k step: by its shape and the GPU
+    alone, never by its rows (a decode's and a verify's rows then add the same partial sums in the same order). The
+    largest step of BLOCK_KS that divides K; enough programs for two a multiprocessor, at least 4 steps a slice; or
+    about `parts` slices."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    steps = k // BLOCK_K
+    block_k = next((b for b in BLOCK_KS if k % b == 0), BLOCK_KS[-1])
+    steps = k // block_k
     if parts is None:
         parts = max(1, min(steps // 4, triton.cdiv(2 * processors, triton.cdiv(n, BLOCK_N))))
     per_part = triton.cdiv(steps, parts)
-    return triton.cdiv(steps, per_part), per_part * BLOCK_K
+    return triton.cdiv(steps, per_part), per_part * block_k, block_k
 
 
 def rows_attention(q, k, v, input_pos, scale=None, parts=None):

@@ -21,7 +21,7 @@ from model import ModelArgs, Transformer
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (tests/test_gpu.py does)"
 ROWS = backend.LONGEST_VERIFY
-K, N = 128, 80  # N not a multiple of the 32-column tile: its masked edge is checked too
+K, N = 256, 80  # k in 2 steps of 128; N not a multiple of the 32-column tile: its masked edge is checked too
 
 
 def dot_a_row_at_a_time(interpreter):

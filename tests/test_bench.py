@@ -10,7 +10,7 @@ def test_bench_errors_are_one_line(smollm2, tmp_path):
                           "not found")
     # an unknown mode names the ones there are, not a quantize.py command that would fail too
     result = cli("--checkpoint_path", str(ckpt), "--rows", "compiled,quant-int3", script="scripts/bench.py")
-    assert_one_line_error(result, "quant-int3", "int8, int4, mxfp8")
+    assert_one_line_error(result, "quant-int3", "int8, int4, int4k, mxfp8")
     assert "quantize.py" not in result.stderr
     assert_one_line_error(cli("--checkpoint_path", str(ckpt), "--rows", "compiled,spec-ngram-17",
                               script="scripts/bench.py"), "spec-ngram-17", "at most 16")

@@ -252,8 +252,7 @@ class Int4kLinear(nn.Module):
 
     def keep_inputs(self, start, stop):
         if start % self.SUPER or (stop % self.SUPER and stop != self.in_features):
-            raise InputError(f"in_features [{start}, {stop}) would split a {self.SUPER}-element int4k super-block; "
-                             "use --mode int4 for this split")
+            raise InputError(f"in_features [{start}, {stop}) would split a {self.SUPER}-element int4k super-block")
         self.weight = self.weight[:, start // 2:stop // 2].contiguous()
         self.factors = self.factors[:, start // self.SUPER:-(-stop // self.SUPER)].contiguous()
 

@@ -181,6 +181,13 @@ def test_bad_world_sizes_give_one_line_errors(smollm2, tiny):
     with pytest.raises(InputError, match="layers.0.attention.wqkv: 24 output features per rank; int4 needs a multiple "
                                          "of 16 at 8 ranks"):
         tp.shard(narrow, 0, 8)
+    with torch.device("meta"):  # int4k: its super-blocks of 256 inputs are never split (wo: one of 64, at 2 ranks)
+        tiny_int4k = Transformer(ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4,
+                                           intermediate_size=256))
+        quantize.replace_linears(tiny_int4k, "int4k")
+    with pytest.raises(InputError, match=r"layers.0.attention.wo: in_features \[0, 32\) would split a 256-element "
+                                         r"int4k super-block at 2 ranks; launch with another --nproc_per_node"):
+        tp.shard(tiny_int4k, 0, 2)
     with torch.device("meta"):
         tiny_mlp = Transformer(ModelArgs(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4,
                                          intermediate_size=3))

@@ -31,18 +31,22 @@ served_ops = {}  # model.py's ops whose Triton kernel is registered: {op: the to
 
 class RowsLinear(nn.Module):
     """A product on gpu_kernels.rows_product: the reference module's own tensors (a bf16 weight, or a quantized
-    file's codes and scales, decoded in registers), its inputs rounded as its format rounds them."""
+    file's codes and scales, laid out at load for wide loads and decoded in registers), its inputs rounded as its
+    format rounds them."""
 
     def __init__(self, ref: nn.Module):
         super().__init__()
+        import gpu_kernels
         fmt = quantize.format_of(ref)
         self.in_features, self.out_features, self.bias = ref.in_features, ref.weight.shape[0], ref.bias
         self.code, self.levels = fmt.code, fmt.levels
         self.bits, self.element = (fmt.element.bits, fmt.element.name) if fmt.element else (16, "")
         self.group = getattr(ref, "groupsize", 0)
         factors = quantize.factors_of(ref)
-        self.register_buffer("weight", ref.weight.detach())
-        self.register_buffer("factors", None if factors is None else factors.detach())
+        weight, factors = gpu_kernels.layout(ref.weight.detach(), None if factors is None else factors.detach(),
+                                             self.code, self.bits)
+        self.register_buffer("weight", weight)
+        self.register_buffer("factors", factors)
 
     def forward(self, x):
         rows = x if self.levels is None else quantize.round_activations(x, self.levels)

@@ -3,9 +3,10 @@ construction: every row is computed with the same tile shape and the same order 
 so a verify's row is a decode's row bit for bit (cuBLAS picks its kernel by shape, and a row of 8 need not round as
 a row alone does). The weights are decoded in registers, never copied dequantized to memory. gpu.py serves them.
 
-- `rows_product`: y [M, N] = x [M, K] @ W^T for bf16, int8 (per channel), int4 (groupwise, quantize.py's file
-  layout), int4k (two-level factors) and MX (4, 6 and 8-bit codes as mx.pack packs them, E8M0 scales) weights: the
-  rows in tiles of BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in steps
+- `rows_product`: y [M, N] = x [M, K] @ W^T for bf16, int8 (per channel), int4 (groupwise), int4k (two-level
+  factors) and MX (4, 6 and 8-bit codes, E8M0 scales) weights, the codes laid out at load in 32-bit words along k
+  with the columns side by side (`layout`: a warp's loads across columns are contiguous; files unchanged), decoded by
+  shifts and masks, MX elements and scales built from their bits (no table): the rows in tiles of BLOCK_M = 16 (a decode pads its one row with zeros: its bytes, not its flops, bound it), k in steps
   of 128 (64 where K is not a multiple of 128), split into slices by the weight's shape alone (k_parts), their float32
   partial sums added in slice order. Each weight is decoded as quantize.py's reference decodes it (to float32, then
   the input's dtype), and multiplied by tl.dot with float32 sums (bf16 operands on a GPU, float32 in the
@@ -50,15 +51,48 @@ def rounded(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def bf16_bytes(p, mask):
-    """The bf16 in the two bytes at p (little-endian), as float32."""
-    bits = tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8)
+def bf16_bytes(p, stride, mask):
+    """The bf16 in the bytes at p (low) and p + stride (high), as float32."""
+    bits = tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + stride, mask=mask, other=0).to(tl.uint32) << 8)
     return (bits << 16).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def element_value(code, BITS: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_FROM: tl.constexpr):
+    """An MX element code's value (mx.decode_elements) from its bits, float32: no table."""
+    if EBITS == 0:  # MXINT8: two's complement, times 2^-6
+        return tl.where(code >= 128, code - 256, code).to(tl.float32) * 0.015625
+    magnitude = code & ((1 << (BITS - 1)) - 1)
+    bias: tl.constexpr = (1 << (EBITS - 1)) - 1
+    # a normal code's exponent and mantissa bits placed as float32's, its exponent moved by an integer add; a
+    # subnormal code (exponent 0) is its mantissa times the smallest step
+    normal = ((magnitude << (23 - MBITS)) + ((127 - bias) << 23)).to(tl.float32, bitcast=True)
+    subnormal = (magnitude & ((1 << MBITS) - 1)).to(tl.float32) * (2.0 ** (1 - bias - MBITS))
+    value = tl.where(magnitude >> MBITS == 0, subnormal, normal)
+    value = tl.where(code >> (BITS - 1) == 1, -value, value)
+    return tl.where(magnitude >= NAN_FROM, float("nan"), value)
+
+
+@triton.jit
+def scale_value(e8m0):
+    """2^(code - 127) of an E8M0 code, float32, from its bits (code 0: the subnormal 2^-127; 255: NaN)."""
+    value = tl.where(e8m0 == 0, 0x00400000, e8m0 << 23).to(tl.float32, bitcast=True)
+    return tl.where(e8m0 == 255, float("nan"), value)
+
+
+@triton.jit
+def word_codes(w_ptr, ks, cols, col_ok, N, BITS: tl.constexpr):
+    """Codes [BLOCK_K, BLOCK_N] from int32 words along k (code_words): code k in bits (k % (32 / BITS)) * BITS of
+    word k // (32 / BITS), the words of a k side by side for the columns."""
+    per: tl.constexpr = 32 // BITS
+    word = tl.load(w_ptr + (ks[:, None] // per) * N + cols[None, :], mask=col_ok[None, :], other=0)
+    return (word >> ((ks[:, None] % per) * BITS)) & ((1 << BITS) - 1)
+
+
 @triton.jit(do_not_specialize=["M"])  # a specialization for M == 1 would be another kernel for a decode
-def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, partial_ptr, M, N, K, group, K_PART,
-                   FORMAT: tl.constexpr, BITS: tl.constexpr, PRECISION: tl.constexpr, AS_FLOAT32: tl.constexpr,
+def product_kernel(x_ptr, w_ptr, factors_ptr, out_ptr, partial_ptr, M, N, K, group, K_PART,
+                   FORMAT: tl.constexpr, BITS: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                   NAN_FROM: tl.constexpr, PRECISION: tl.constexpr, AS_FLOAT32: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,41 +102,36 @@ def product_kernel(x_ptr, w_ptr, factors_ptr, table_ptr, scales_ptr, out_ptr, pa
     for k0 in range(part * K_PART, tl.minimum(part * K_PART + K_PART, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
-        at = cols[None, :] * K + ks[:, None]  # element (k, n) of W^T: [BLOCK_K, BLOCK_N]
-        if FORMAT == PLAIN:
-            w = tl.load(w_ptr + at, mask=col_ok[None, :], other=0.0)
-        elif FORMAT == INT8:
-            w = tl.load(w_ptr + at, mask=col_ok[None, :], other=0).to(tl.float32).to(x.dtype)
-        elif FORMAT == INT4:  # two codes a byte, element 2i in the low nibble; (scale, zero) [K / group, N, 2]
-            byte = tl.load(w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=col_ok[None, :], other=0)
-            code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 15
-            at_group = ((ks[:, None] // group) * N + cols[None, :]) * 2
+        if FORMAT == PLAIN:  # [N, K]
+            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0.0)
+        elif FORMAT == INT8:  # codes [N, K]
+            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
+            w = w.to(x.dtype)
+        elif FORMAT == INT4:  # factors [2, K / group, N]: the scales, then the zeros
+            code = word_codes(w_ptr, ks, cols, col_ok, N, 4)
+            at_group = (ks[:, None] // group) * N + cols[None, :]
             scale = tl.load(factors_ptr + at_group, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            zero = tl.load(factors_ptr + at_group + 1, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            zero = tl.load(factors_ptr + (K // group) * N + at_group, mask=col_ok[None, :], other=0.0).to(tl.float32)
             w = rounded((code.to(tl.float32) - 8.0) * scale + zero, x.dtype)
-        elif FORMAT == INT4K:  # int4's codes; factors [N, ceil(K / 256), 20]: d, dmin (bf16), 8 scales, 8 minimums
-            byte = tl.load(w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=col_ok[None, :], other=0)
-            code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 15
-            at_super = (cols[None, :] * tl.cdiv(K, 256) + ks[:, None] // 256) * 20
-            block = (ks[:, None] // 32) % 8
-            d = bf16_bytes(factors_ptr + at_super, col_ok[None, :])
-            dmin = bf16_bytes(factors_ptr + at_super + 2, col_ok[None, :])
-            scale = tl.load(factors_ptr + at_super + 4 + block, mask=col_ok[None, :], other=0).to(tl.float32)
-            low = tl.load(factors_ptr + at_super + 12 + block, mask=col_ok[None, :], other=0).to(tl.int32)
+        elif FORMAT == INT4K:  # factors [ceil(K / 256), 20, N] bytes: d, dmin (bf16), 8 scales, 8 minimums (int8)
+            code = word_codes(w_ptr, ks, cols, col_ok, N, 4)
+            at_super = (ks[:, None] // 256) * 20 * N + cols[None, :]
+            block = ((ks[:, None] // 32) % 8) * N
+            d = bf16_bytes(factors_ptr + at_super, N, col_ok[None, :])
+            dmin = bf16_bytes(factors_ptr + at_super + 2 * N, N, col_ok[None, :])
+            scale = tl.load(factors_ptr + at_super + 4 * N + block, mask=col_ok[None, :], other=0).to(tl.float32)
+            low = tl.load(factors_ptr + at_super + 12 * N + block, mask=col_ok[None, :], other=0).to(tl.int32)
             minimum = tl.where(low >= 128, low - 256, low).to(tl.float32)  # the byte as int8
             w = rounded(code.to(tl.float32) * (d * scale) + dmin * minimum, x.dtype)
-        else:  # codes packed LSB first, code k at bit k * BITS of its row; an E8M0 scale per 32
-            bit = ks[:, None] * BITS
-            row_bytes = K * BITS // 8
-            low = tl.load(w_ptr + cols[None, :] * row_bytes + bit // 8, mask=col_ok[None, :], other=0).to(tl.int32)
-            if BITS == 6:  # a code may straddle two bytes
-                high = tl.load(w_ptr + cols[None, :] * row_bytes + bit // 8 + 1,
-                               mask=col_ok[None, :] & (bit // 8 + 1 < row_bytes), other=0).to(tl.int32)
-                low = low | (high << 8)
-            code = (low >> (bit % 8)) & ((1 << BITS) - 1)
-            e8m0 = tl.load(factors_ptr + cols[None, :] * (K // 32) + ks[:, None] // 32, mask=col_ok[None, :],
-                           other=127)
-            w = rounded(tl.load(table_ptr + code) * tl.load(scales_ptr + e8m0.to(tl.int32)), x.dtype)
+        else:  # MX: E8M0 scales [K / 32, N]
+            if BITS == 6:  # two planes: the codes' low 4 bits, then their high 2 (code_words)
+                code = word_codes(w_ptr, ks, cols, col_ok, N, 4)
+                code |= word_codes(w_ptr + (K // 8) * N, ks, cols, col_ok, N, 2) << 4
+            else:
+                code = word_codes(w_ptr, ks, cols, col_ok, N, BITS)
+            e8m0 = tl.load(factors_ptr + (ks[:, None] // 32) * N + cols[None, :], mask=col_ok[None, :], other=127)
+            value = element_value(code, BITS, EBITS, MBITS, NAN_FROM) * scale_value(e8m0.to(tl.int32))
+            w = rounded(value, x.dtype)
         # bf16 operands on a GPU (exact products, float32 sums, every row of the tile alike); float32 in the
         # interpreter (a bf16 value is exact in float32: the same products); float32 models in full float32 ("ieee")
         if AS_FLOAT32:
@@ -193,41 +222,53 @@ def attention_parts_kernel(part_ptr, out_ptr, D: tl.constexpr, PARTS: tl.constex
     tl.store(out_ptr + row * D + d, rounded(acc / total, out_ptr.dtype.element_ty))
 
 
-tables = {}
+def code_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes as a file packs them (mx.pack: [N, K * bits / 8], LSB first) -> int32 words along k, a k's words side by
+    side for the N columns (loads across columns are contiguous): [K * bits / 32, N], code k in bits (k % (32 / bits))
+    * bits of word k // (32 / bits). 6-bit codes as two planes: their low 4 bits [K / 8, N], then their high 2 [K / 16,
+    N]."""
+    planes = [packed]
+    if bits == 6:
+        codes = mx.unpack(packed, 6)
+        high = (codes >> 4).unflatten(-1, (-1, 4)).unbind(-1)
+        planes = [mx.pack(codes & 15, 4), high[0] | high[1] << 2 | high[2] << 4 | high[3] << 6]
+    return torch.cat([plane.contiguous().view(torch.int32).T for plane in planes]).contiguous()
 
 
-def mx_tables(fmt: mx.ElementFormat, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values of a format's codes and of the 256 E8M0 scales, float32 (what mx.dequantize multiplies)."""
-    key = (fmt.name, str(device))
-    if key not in tables:
-        codes = torch.arange(1 << fmt.bits, dtype=torch.int32).to(torch.uint8)
-        tables[key] = (mx.decode_elements(codes, fmt).float().to(device),
-                       mx.scale_values(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(device))
-    return tables[key]
+def layout(weight: torch.Tensor, factors: torch.Tensor | None, fmt: int, bits: int):
+    """A file's tensors (quantize.py's modules) as product_kernel reads them, made once at load: int4, int4k and MX
+    codes in 32-bit words along k (code_words), their factors with the columns side by side (int4: [2, K / group, N],
+    int4k: [ceil(K / 256), 20, N] bytes, MX: [K / 32, N]); bf16 and int8 as they are. -> (weight, factors)"""
+    if fmt in (quantize.INT4, quantize.INT4K, quantize.MX):
+        weight = code_words(weight, 4 if fmt != quantize.MX else bits)
+        factors = factors.permute(2, 0, 1) if fmt == quantize.INT4 else factors.permute(1, 2, 0) \
+            if fmt == quantize.INT4K else factors.T
+    return weight, None if factors is None else factors.contiguous()
 
 
 def rows_product(x, weight, factors=None, fmt=quantize.PLAIN, bits=16, group=0, n=None, element=None,
                  parts=None):
-    """x [..., K] (already rounded as the reference rounds it) times a weight in its file's layout -> [..., N] in
-    x's dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4 bytes [N, K / 2] with factors
-    = scales_and_zeros [K / group, N, 2]; int4k's with factors [N, ceil(K / 256), 20]; MX codes [N, K * bits / 8]
-    with factors = E8M0 scales [N, K / 32] and element its mx.ElementFormat. parts: slices of k (split-K) where not
-    k_parts' choice (the tests)."""
+    """x [..., K] (already rounded as the reference rounds it) times a weight in layout()'s layout -> [..., N] in x's
+    dtype. weight: bf16 [N, K]; int8 codes [N, K] with factors = scales [N]; int4's, int4k's and MX's words and
+    factors as layout() makes them from the file's, element the MX codes' mx.ElementFormat. parts: slices of k
+    (split-K) where not k_parts' choice (the tests)."""
     k = x.shape[-1]
     n = weight.shape[0] if n is None else n
     rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    table, scales = mx_tables(element, x.device) if fmt == quantize.MX else (weight, weight)  # (unread but by MX)
-    factors = weight if factors is None else factors
+    factors = weight if factors is None else factors  # (unread but by the quantized formats)
+    ebits, mbits, nan_from = (element.ebits, element.mbits, (1 << bits - 1) - len(element.nan_codes)) if element \
+        else (0, 0, 0)
     parts, k_part, block_k = k_parts(n, k, x.device, parts)
     partial = torch.empty(parts, m, n, dtype=torch.float32, device=x.device) if parts > 1 else out
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
     float32 = x.dtype == torch.float32
-    product_kernel[grid + (parts,)](rows, weight, factors, table, scales, out, partial, m, n, k, group, k_part,
-                                    FORMAT=fmt, BITS=bits, PRECISION="ieee" if float32 else "tf32",
-                                    AS_FLOAT32=float32 or INTERPRETED, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                    BLOCK_K=block_k, PARTS=parts, num_warps=WARPS, num_stages=STAGES)
+    product_kernel[grid + (parts,)](rows, weight, factors, out, partial, m, n, k, group, k_part, FORMAT=fmt, BITS=bits,
+                                    EBITS=ebits, MBITS=mbits, NAN_FROM=nan_from,
+                                    PRECISION="ieee" if float32 else "tf32", AS_FLOAT32=float32 or INTERPRETED,
+                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, PARTS=parts, num_warps=WARPS,
+                                    num_stages=STAGES)
     if parts > 1:
         sum_parts_kernel[grid](partial, factors, out, m, n, FORMAT=fmt, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PARTS=parts)
     return out.view(*x.shape[:-1], n)

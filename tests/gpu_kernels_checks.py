@@ -13,8 +13,11 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import backend
+import gpu_kernels
 import mx
 import quantize
 from model import ModelArgs, Transformer
@@ -88,7 +91,7 @@ def product_of(kernels, mode, module, x, parts=None):
 
 
 @pytest.mark.parametrize("mode, parts", [(mode, None) for mode in ["bf16", "int8", "int4", "int4k", "mxfp6", "mxfp4",
-                                                                    "mxfp8", "mxfp6_e3m2"]] +
+                                                                    "mxfp8", "mxfp6_e3m2", "mxint8"]] +
                          [(mode, 2) for mode in ["bf16", "int8", "int4", "int4k", "mxfp6"]])
 def test_a_product_is_its_format_s_definition_and_each_row_is_computed_alone(kernels, mode, parts):
     """parts: k in that many slices (split-K: float32 partial sums added in order), as a GPU's kernel splits it."""
@@ -105,6 +108,48 @@ def test_a_product_is_its_format_s_definition_and_each_row_is_computed_alone(ker
     for n in range(1, ROWS + 1):
         assert torch.equal(product(kernels, mode, module, x[:n]), together[:n]), n
     assert torch.equal(product(kernels, mode, module, x[ROWS - 1:]), together[ROWS - 1:])
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_code_words_hold_the_file_s_codes(kernels, bits):
+    """layout()'s words, read back as the kernel reads them (code k in bits (k % (32 / bits)) * bits of word
+    k // (32 / bits); 6 bits as a 4-bit plane and a 2-bit plane), are the codes mx.unpack finds in the file."""
+    n, k = 48, 320
+    codes = torch.randint(0, 1 << bits, (n, k), generator=torch.Generator().manual_seed(4)).to(torch.uint8)
+    words = kernels.code_words(mx.pack(codes, bits), bits)
+
+    def read(plane, b):  # plane [K * b / 32, N] -> codes [N, K]
+        per = 32 // b
+        shifts = torch.arange(per, dtype=torch.int32) * b
+        return ((plane.T[:, :, None] >> shifts) & ((1 << b) - 1)).reshape(n, -1)
+    assert words.dtype == torch.int32 and words.shape == (k * bits // 32, n)
+    got = read(words[:k // 8], 4) | read(words[k // 8:], 2) << 4 if bits == 6 else read(words, bits)
+    assert torch.equal(got.to(torch.uint8), codes)
+
+
+@triton.jit
+def decode_kernel(code_ptr, scale_ptr, out_ptr, BITS: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                  NAN_FROM: tl.constexpr, CODES: tl.constexpr):
+    code = tl.load(code_ptr + tl.arange(0, CODES))
+    e8m0 = tl.load(scale_ptr + tl.arange(0, 256))
+    value = gpu_kernels.element_value(code[:, None], BITS, EBITS, MBITS, NAN_FROM) * \
+        gpu_kernels.scale_value(e8m0[None, :])
+    tl.store(out_ptr + tl.arange(0, CODES)[:, None] * 256 + tl.arange(0, 256)[None, :], value)
+
+
+@pytest.mark.parametrize("name", list(mx.FORMATS))
+def test_mx_elements_and_scales_built_from_their_bits_are_mx_py_s_values(kernels, name):
+    """Every code of every MX element format times every E8M0 scale, decoded by the product kernel's bit arithmetic
+    (no table), is mx.py's value times mx.py's scale: the same float32 bits (NaN codes and the NaN scale NaN)."""
+    fmt = mx.FORMATS[name]
+    codes = torch.arange(1 << fmt.bits, dtype=torch.int32)
+    scales = torch.arange(256, dtype=torch.int32)
+    got = torch.empty(1 << fmt.bits, 256)
+    decode_kernel[(1,)](codes, scales, got, BITS=fmt.bits, EBITS=fmt.ebits, MBITS=fmt.mbits,
+                 NAN_FROM=(1 << fmt.bits - 1) - len(fmt.nan_codes), CODES=1 << fmt.bits)
+    want = mx.decode_elements(codes.to(torch.uint8), fmt)[:, None] * mx.scale_values(scales.to(torch.uint8))[None, :]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0).view(torch.int32), want.nan_to_num(0).view(torch.int32))
 
 
 def test_rms_norm_is_its_reference_and_each_row_is_computed_alone(kernels):

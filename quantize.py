@@ -237,18 +237,8 @@ class Int4kLinear(nn.Module):
 
     out_multiple = 16  # as int4's tiles
     OUTPUT_AXES = {"weight": 0, "factors": 0, "bias": 0}
-
-    @staticmethod
-    def block(groupsize):
-        return 32  # in_features: whole blocks (a last super-block may be shorter)
-
-    @classmethod
-    def empty(cls, mode, in_features, out_features, bias, groupsize):
-        return cls(in_features, out_features, bias)
-
-    @classmethod
-    def quantized(cls, mode, w, groupsize, rule):
-        return cls.quantize(w)
+    # int8's: in_features in whole blocks of 32 (a last super-block may be shorter), no mode, group or rule to take
+    block, empty, quantized = (Int8Linear.__dict__[name] for name in ("block", "empty", "quantized"))
 
     def keep_inputs(self, start, stop):
         if start % self.SUPER or (stop % self.SUPER and stop != self.in_features):

@@ -23,6 +23,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import gpu  # noqa: E402
+import quantize  # noqa: E402
 from bench import random_model  # noqa: E402
 from speculative import compile_step, forward  # noqa: E402
 from checkpoint import OneLineErrors, read_model_args  # noqa: E402
@@ -78,6 +79,10 @@ def main(argv=None):
     parser.add_argument("--compiled", default="", help="modes whose compiled step to check on two layers "
                         "(e.g. bf16,int4); none by default")
     opts = parser.parse_args(argv)
+    modes = ["bf16", *quantize.FORMATS]
+    unknown = [mode for mode in opts.compiled.split(",") if opts.compiled and mode not in modes]
+    if unknown:
+        parser.error(f"--compiled: unknown mode '{unknown[0]}' (one of {', '.join(modes)})")
     cli.run(check, opts)
 
 

@@ -119,7 +119,8 @@ def test_bench_load_times_fresh_processes(tiny, capsys):
 def test_the_rows_check_script_reports_every_mode(tiny):
     """scripts/verify_rows.py, a part of scripts/gpu_check.sh, on the CPU with model.py alone: one line a mode with the
     longest verify that computes each row as a decode step does (model.py's bf16 here: every row), then with
-    --compiled a line a mode for the compiled step; a missing config or an unknown device is one line."""
+    --compiled a line a mode for the compiled step; a missing config, an unknown device or an unknown
+    --compiled mode is one line."""
     import re
     ckpt, _ = tiny("llama_gqa_tied")
     result = cli(ckpt / "config.json", "--device", "cpu", "--backend", "torch", script="scripts/verify_rows.py")
@@ -138,6 +139,9 @@ def test_the_rows_check_script_reports_every_mode(tiny):
                           "not found")
     assert_one_line_error(cli(ckpt / "config.json", "--device", "tpu", script="scripts/verify_rows.py"),
                           "--device tpu: not supported")
+    result = cli(ckpt / "config.json", "--device", "cpu", "--compiled", "bf16,int5", script="scripts/verify_rows.py")
+    assert result.stdout == "", result.stdout  # refused before the rows check runs
+    assert_one_line_error(result, "--compiled: unknown mode 'int5'")
 
 
 def test_the_products_benchmark_prints_a_line_as_each_cell_finishes(tiny):

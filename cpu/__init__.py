@@ -211,10 +211,10 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
 
 
 def amx_note() -> str:
-    """Why the products do not run on AMX tiles, in a few words."""
+    """Whether the integer products of 2+ rows run on AMX tiles, or why not, in a few words (cpu/few_rows/amx.h)."""
     if "amx_tile" not in kernels.cpu_features():
         return "no AMX tiles on this CPU"
-    return "AMX tiles unused: few_rows.cpp has no AMX kernels yet, AVX-512 serves"
+    return torch.ops.few_rows.amx("")
 
 
 def serve_products(transformer, products, mapped, refused) -> list[Linear]:

@@ -5,6 +5,7 @@
 //
 //   lanes.h      16 floats as native vectors, conversions, the horizontal sum, exp, bf16 rounding
 //   tiles.h      the product skeleton: passes of input rows over tiles of weight rows, on every core
+//   amx.h        AMX tiles: the permission, a thread's configuration, the instructions and their plain-code emulation
 //   dense.h      fp32 and bf16 weights by rows                columns.h  integer codes and bf16 in column tiles
 //   fp6.h        MX 6-bit codes as packed, bf16 values         linear.h   the formats: their layouts, one product call
 //   attention.h  query rows over the KV cache                  norm.h     RMSNorm of rows
@@ -40,6 +41,7 @@
 
 #include "few_rows/lanes.h"
 #include "few_rows/tiles.h"
+#include "few_rows/amx.h"
 #include "few_rows/dense.h"
 #include "few_rows/columns.h"
 #include "few_rows/fp6.h"
@@ -102,6 +104,7 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
   m.def("serve(str op, bool on) -> bool", &serve);
   m.def("paths() -> str[]", &paths);
+  m.def("amx(str mode) -> str", &amx);
   m.def("format_codes() -> int[]", [] { return std::vector<int64_t>{PLAIN, INT8, INT4, MX, INT4K}; });
   m.def("int4_codes(Tensor tiles) -> Tensor");
   m.def("stream_read(Tensor buffer) -> int");

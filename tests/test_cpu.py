@@ -156,6 +156,67 @@ def test_an_mx_block_with_a_nan_scale_makes_its_row_s_outputs_nan():
         assert y[:, 1].isnan().all() and not y[:, [0, 2]].isnan().any(), mode
 
 
+TILED = [case for case in PRODUCTS if PRODUCTS[case][0] in ("int8", "int4", "int4k", "mxint8", "mxfp4", "mxfp6")
+         and PRODUCTS[case][-1] in (-1, FP6_TILES, INT8_TILES)]  # the layouts of integer tiles (linear.h)
+
+
+@pytest.fixture
+def amx_tiles(request):
+    """The products' AMX tiles set as the test asks (few_rows.amx: "emulated", Intel's pseudocode in plain code; "auto",
+    the CPU's), and back to the CPU's after."""
+    assert kernels.load()
+    if request.param == "emulated" and not re.search(r"avx512_?vnni", kernels.cpu_features()):
+        pytest.skip("tiles are emulated in builds with AVX512_VNNI only")
+    said = torch.ops.few_rows.amx(request.param)
+    if request.param == "auto" and not said.startswith("AMX tiles serve"):
+        pytest.skip(f"no AMX tiles to run here: {said}")
+    yield said
+    torch.ops.few_rows.amx("auto")
+
+
+@pytest.mark.parametrize("amx_tiles", ["emulated", "auto"], indirect=True)
+@pytest.mark.parametrize("case", TILED)
+def test_amx_tiles_give_the_vnni_kernels_bits_at_every_row_count(case, amx_tiles):
+    """The integer formats' products of 2 to 17 rows (and a prompt's 40) on AMX tiles (cpu/few_rows/amx.h: the CPU's,
+    where it has them, and everywhere their emulation, the instructions' pseudocode in plain code) give the VNNI
+    kernels' bits, every row: a verify's rows on tiles are decode steps on VNNI, which the scalar references and the
+    float64 definition hold (test_every_format_s_product_is_its_definition_and_every_row_is_computed_alone)."""
+    module = reference_product(case)
+    kernel = served(module, PRODUCTS[case][-1])
+    assert kernel.layout in (INT8_TILES, INT4_TILES, FP6_TILES, INT4K_TILES), kernel.layout
+    assert torch.ops.few_rows.paths()[kernel.layout].endswith("AMX tiles")  # what the report says
+    x = torch.randn(1, 40, module.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x[0, 3, 32:64] = 0  # an all-zero block
+    with torch.no_grad():
+        on_tiles = kernel(x)
+        torch.ops.few_rows.amx("off")
+        for n in (1, 2, 3, 5, 8, 9, 16, 17, 40):
+            assert torch.equal(kernel(x[:, :n]), on_tiles[:, :n]), n
+        assert torch.equal(torch.cat([kernel(x[:, n:n + 1]) for n in range(40)], 1), on_tiles)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64")
+def test_a_build_with_amx_code_on_a_cpu_the_kernel_refuses_tiles_serves_avx_512_and_says_why(tmp_path):
+    """few_rows.cpp built for Sapphire Rapids (its AMX code compiled: tdpbsud, tdpbusd, tdpbssd, ldtilecfg) asks Linux
+    for tile state at first use; on a CPU without AMX the kernel refuses, and the build says so in one line, its
+    report names no tiles, and nothing crashes (on an AMX CPU the tiles serve)."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    script = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from cpu import kernels; "
+              "kernels.build('sapphirerapids'); print(torch.ops.few_rows.amx('')); print(torch.ops.few_rows.paths()[3])")
+    built = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, env=env,
+                           timeout=900)
+    assert built.returncode == 0, built.stderr[-2000:]
+    library = next((tmp_path / "extensions").glob("few_rows_*.so"))
+    listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True).stdout
+    assert {"tdpbsud", "tdpbusd", "tdpbssd", "ldtilecfg"} <= set(re.findall(r"\b(tdpb\w+|ldtilecfg)\b", listing))
+    said, int4_path = built.stdout.splitlines()
+    if "amx_tile" in kernels.cpu_features():
+        assert said.startswith("AMX tiles serve") and int4_path.endswith("2+ rows on AMX tiles"), built.stdout
+    else:
+        assert re.fullmatch(r"AMX tiles refused by the kernel \(arch_prctl: .+\); AVX-512 serves", said), said
+        assert int4_path == "int4 tiles, vpdpbusd (AVX512_VNNI)"
+
+
 def test_the_kernels_refuse_what_they_do_not_take_in_one_line():
     assert kernels.load()
     kernel = served(nn.Linear(96, 32))

@@ -155,8 +155,8 @@ def test_verbose_says_what_the_backend_serves(tiny):
                        if line.startswith("backend ")] for backend in ("auto", "torch")}
     assert len(lines["auto"]) == 1 and lines["auto"][0].startswith(
         "backend cpu: few_rows.cpp: 9 products (9 plain in dense rows, "), lines
-    assert lines["auto"][0].endswith(("; no AMX tiles on this CPU", "; AMX tiles unused: few_rows.cpp has no AMX "
-                                      "kernels yet, AVX-512 serves")), lines
+    assert lines["auto"][0].endswith(("; no AMX tiles on this CPU", "; AMX tiles serve the int4, int4k, int8 and "
+                                      "integer MX products of 2+ rows", "; AVX-512 serves")), lines
     assert lines["torch"] == ["backend torch: nothing (model.py's PyTorch)"], lines
 
 

@@ -1,5 +1,6 @@
 """quantize.py: file sizes, loading, greedy parity with the dequantize-then-run reference, quantized self-draft."""
 import json
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import mx
 import quantize
 from cli import humaneval_tasks
 from conftest import ROOT
+from cpu import kernels
 from checkpoint import map_safetensors
 from decoding import Steps, generate
 from loading import load_model
@@ -140,6 +142,27 @@ def test_compiled_speculation_is_exact_at_every_k(smollm2, quantized, prompts, m
         batch = prompts if k in (4, 16) else prompts[:1]
         assert generate(target, batch, 40, steps, drafter=NgramDrafter(), speculate_k=k)[0] == plain[:len(batch)], k
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8", "mxfp6"])
+def test_compiled_speculation_on_amx_tiles_is_exact_at_every_k(smollm2, quantized, prompts, mode):
+    """As above with the verifies' and prompts' integer products on AMX tiles (few_rows.amx: the CPU's where it has
+    them, else their plain-code emulation) and the decodes on VNNI: the target's plain greedy tokens at K = 1-8 and 16."""
+    assert kernels.load()
+    if not re.search(r"avx512_?vnni", kernels.cpu_features()):
+        pytest.skip("tiles are emulated in builds with AVX512_VNNI only")
+    torch._dynamo.reset()
+    target = load_model(quantized[mode], "cpu", torch.bfloat16)
+    steps = Steps(compile=True)
+    plain = generate(target, prompts[:1], 40, steps)[0]
+    served = torch.ops.few_rows.amx("")
+    torch.ops.few_rows.amx("auto" if served.startswith("AMX tiles serve") else "emulated")
+    try:
+        for k in (1, 2, 3, 4, 5, 6, 7, 8, 16):
+            assert generate(target, prompts[:1], 40, steps, drafter=NgramDrafter(), speculate_k=k)[0] == plain, k
+    finally:
+        torch.ops.few_rows.amx("auto")
+        torch._dynamo.reset()
 
 
 # Loads one file in a fresh process and prints the peak resident memory of the load and the bytes a decode step

@@ -15,8 +15,6 @@ namespace {
 // a pass. The only floating-point steps are per block and per group, in k order, the same for every row and every
 // number of rows, so a verify's row is a decode's bit for bit, and the scalar references give the same bits as the
 // vector code. A tile is read once from memory for all the rows of a call, a prompt's too.
-constexpr int TILE = 16;  // output columns a tile
-constexpr int BLOCK = 32;  // inputs that share an activation scale d_b
 
 template <class Q>
 constexpr int32_t LEVELS = sizeof(Q) == 1 ? 127 : 32767;
@@ -128,11 +126,12 @@ constexpr int TILE_ROWS = 4;
 constexpr int TILE_ROWS = 8;
 #endif
 
-// run(tile, m0, r) for every tile and every pass of rows: each tile once from memory, its passes one after another
-// (the tile stays in cache between them), the tiles split over every core. Rows are split evenly between passes.
+// run(tile, m0, r) for every tile and every pass of at most `most` rows: each tile once from memory, its passes one
+// after another (the tile stays in cache between them), the tiles split over every core. Rows are split evenly
+// between passes.
 template <class Run>
-void over_tiles(int64_t tiles, int64_t M, int64_t tile_bytes, const Run& run) {
-  const int64_t passes = (M + TILE_ROWS - 1) / TILE_ROWS;
+void over_tiles(int64_t tiles, int64_t M, int64_t tile_bytes, const Run& run, int most = TILE_ROWS) {
+  const int64_t passes = (M + most - 1) / most;
   at::parallel_for(0, tiles, std::max<int64_t>(1, 65536 / tile_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
       for (int64_t p = 0, m = 0, r; p < passes; p++, m += r) {
@@ -372,6 +371,44 @@ inline void tile_int4_of(int r, const Int4Tiles& w, const Factors& fs, const Rou
   tile_int4<R>(w, fs, a, N, m0, tile, y);
 }
 
+#if FR_AVX512VNNI && FR_AVX512BW
+// tile_int4 for R rows (2 .. 16) on AMX tiles (amx.h): per block the codes unpacked to B (quarter t's low nibbles are
+// row 2t, its high ones row 2t + 1), the rows' integer sums by one tile product, then tile_int4's float steps.
+template <class Tiles, class Factors>
+__attribute__((noinline)) void tile_int4_amx(int R, const Int4Tiles& w, const Factors& fs, const RoundedRows& a,
+                                             int64_t N, int64_t m0, int64_t tile, float* y) {
+  const int64_t blocks = w.K / BLOCK, G = w.K >> w.shift, per_group = blocks / G, M = a.M;
+  float* out = y + m0 * N + tile * TILE;
+  alignas(64) uint8_t codes[8 * 4 * TILE];
+  alignas(64) int32_t dots[TILE_PASS_ROWS * TILE];
+  __m512 acc[TILE_PASS_ROWS];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(15);
+  Tiles::configure(R);
+  const uint8_t* p = w.block(tile, 0);
+  for (int64_t g = 0; g < G; g++) {
+    const __m512 scale = fs.scales(tile, g);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
+      for (int t = 0; t < 4; t++) {
+        __builtin_prefetch(p + 64 * t + PREFETCH_BYTES);
+        const __m512i v = _mm512_loadu_si512(p + 64 * t);
+        _mm512_store_si512(codes + 128 * t, _mm512_and_si512(v, low));
+        _mm512_store_si512(codes + 128 * t + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+      Tiles::dot_su(R, a.codes(b, m0), codes, dots);
+      const float* d = &a.d[b * M + m0];
+      for (int r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots + TILE * r)),
+                                 _mm512_mul_ps(scale, _mm512_set1_ps(d[r])), acc[r]);
+    }
+    const __m512 offset = fs.offsets(tile, g, scale);
+    const float* gs = &a.group_sums[g * M + m0];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(gs[r]), acc[r]);
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N, acc[r]);
+}
+#endif
+
 // x [M, K] (float32) times int4 tiles [N / 16, K / 32, 256] and their factors: each tile once from memory, its passes
 // of rows one after another (the tile stays in cache between them), the tiles split over every core. M may be a
 // prompt's thousands of rows: the weights are read once all the same.
@@ -382,7 +419,15 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& w, const Factors&
   at::Tensor y = at::empty({M, N}, x.options());
   const Int4Tiles weight{w.data_ptr<uint8_t>(), K, shift};
   float* yp = y.data_ptr<float>();
-  over_tiles(tiles, M, K / 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_int4_of(r, weight, fs, a, N, m, t, yp); });
+  const bool tiled = on_tiles(M, [&](auto tiles_of) {
+#if FR_AVX512VNNI && FR_AVX512BW
+    over_tiles(tiles, M, K / 2 * TILE, [&](int64_t t, int64_t m, int r) {
+      tile_int4_amx<decltype(tiles_of)>(r, weight, fs, a, N, m, t, yp);
+    }, TILE_PASS_ROWS);
+#endif
+  });
+  if (!tiled)
+    over_tiles(tiles, M, K / 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_int4_of(r, weight, fs, a, N, m, t, yp); });
   return y;
 }
 
@@ -633,13 +678,78 @@ inline void tile_wide_of(int r, const Codes& w, const Factors& f, const Rounded<
   tile_wide<R>(w, f, a, N, m0, tile, y);
 }
 
+#if FR_AVX512VNNI && FR_AVX512BW
+// The 16-bit rounded rows as AMX multiplies them: q = 256 hi + lo, lo unsigned, hi signed, as q's layout.
+struct SplitRows {
+  std::vector<uint8_t> lo;
+  std::vector<int8_t> hi;
+  explicit SplitRows(const std::vector<int16_t>& q) : lo(q.size()), hi(q.size()) {
+    for (size_t i = 0; i < q.size(); i++) lo[i] = uint8_t(q[i] & 255), hi[i] = int8_t(q[i] >> 8);
+  }
+};
+
+// tile_wide for R rows (2 .. 16) on AMX tiles (amx.h): per block the codes as B (quad t: the int16 pairs of
+// k = 4t .. 4t + 1 and 4t + 2 .. 4t + 3 narrowed to bytes and interleaved by column), the rows' integer sums by two
+// tile products, 256 hi + lo, then tile_wide's float steps.
+template <class Tiles, class Codes, class Factors>
+__attribute__((noinline)) void tile_wide_amx(int R, const Codes& w, const Factors& f, const Rounded<int16_t>& a,
+                                             const SplitRows& split, int64_t N, int64_t m0, int64_t tile, float* y) {
+  const int64_t blocks = w.K / BLOCK, M = a.M;
+  float* out = y + m0 * N + tile * TILE;
+  alignas(64) int8_t codes[8 * 4 * TILE];
+  alignas(64) int32_t lo[TILE_PASS_ROWS * TILE], hi[TILE_PASS_ROWS * TILE];
+  __m512 acc[TILE_PASS_ROWS];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  alignas(64) int16_t order[2 * TILE];  // word 2c of a row of B: column c's first pair, word 2c + 1 its second
+  for (int c = 0; c < TILE; c++) order[2 * c] = int16_t(c), order[2 * c + 1] = int16_t(2 * TILE + c);
+  const __m512i quads = _mm512_load_si512(order);
+  Tiles::configure(R);
+  auto p = w.block(tile, 0);
+  for (int64_t b = 0; b < blocks; b++, p += Codes::BYTES) {
+    for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + l + PREFETCH_BYTES);
+    for (int t = 0; t < 8; t++) {
+      __m512i p0, p1;
+      unpack(w, p, t, p0, p1);
+      _mm512_store_si512(codes + 64 * t, _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(p0)),
+                                                                   quads,
+                                                                   _mm512_castsi256_si512(_mm512_cvtepi16_epi8(p1))));
+    }
+    const int64_t at = (b * M + m0) * BLOCK;
+    Tiles::dot_wide(R, split.lo.data() + at, split.hi.data() + at, codes, lo, hi);
+    const float* d = &a.d[b * M + m0];
+    const __m512 factor = block_vector(f, tile, b);
+    for (int r = 0; r < R; r++) {
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi + TILE * r), 8),
+                                           _mm512_load_si512(lo + TILE * r));
+      const __m512 scale = Factors::PER_BLOCK ? _mm512_mul_ps(factor, _mm512_set1_ps(d[r])) : _mm512_set1_ps(d[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    if constexpr (!Factors::PER_BLOCK) acc[r] = _mm512_mul_ps(acc[r], _mm512_loadu_ps(f.scales + tile * TILE));
+    _mm512_storeu_ps(out + r * N, acc[r]);
+  }
+}
+#endif
+
 template <class Codes, class Factors>
 at::Tensor wide(const at::Tensor& x, const Codes& w, const Factors& f, int64_t tiles) {
   const int64_t M = x.size(0), N = tiles * TILE;
   const Rounded<int16_t> a = round_rows<int16_t>(x.data_ptr<float>(), M, w.K, 0);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  over_tiles(tiles, M, w.K / BLOCK * Codes::BYTES, [&](int64_t t, int64_t m, int r) { tile_wide_of(r, w, f, a, N, m, t, yp); });
+  const bool tiled = Codes::VECTOR && on_tiles(M, [&](auto tiles_of) {
+#if FR_AVX512VNNI && FR_AVX512BW
+    if constexpr (Codes::VECTOR) {
+      const SplitRows split(a.q);
+      over_tiles(tiles, M, w.K / BLOCK * Codes::BYTES, [&](int64_t t, int64_t m, int r) {
+        tile_wide_amx<decltype(tiles_of)>(r, w, f, a, split, N, m, t, yp);
+      }, TILE_PASS_ROWS);
+    }
+#endif
+  });
+  if (!tiled)
+    over_tiles(tiles, M, w.K / BLOCK * Codes::BYTES, [&](int64_t t, int64_t m, int r) { tile_wide_of(r, w, f, a, N, m, t, yp); });
   return y;
 }
 

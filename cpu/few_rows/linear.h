@@ -21,14 +21,17 @@ enum Layout : int64_t {
 // How this build multiplies each layout, by Layout (what a backend report and --verbose say).
 std::vector<std::string> paths() {
   const bool vnni = FR_AVX512VNNI && FR_AVX512BW, avx2 = FR_AVX2 && FR_FMA;
+  const Amx amx = amx_state().mode;  // (amx.h) integer tiles of 2+ rows
+  const std::string tiles = amx == Amx::HARDWARE ? "; 2+ rows on AMX tiles" : amx == Amx::EMULATED ? "; 2+ rows on "
+                            "emulated AMX tiles" : "";
   return {FR_AVX512F ? "dense rows, 16-lane vectors (AVX512F)" : "dense rows, 8-lane vectors",
           FR_AVX512BF16 ? "bf16 tiles, vdpbf16ps (AVX512_BF16)" : avx2 ? "bf16 tiles, fused multiply-adds (AVX2)"
                                                                : "bf16 tiles, plain code",
-          vnni ? "int8 tiles, vpdpwssd (AVX512_VNNI)" : avx2 ? "int8 tiles, vpmaddwd (AVX2)" : "int8 tiles, plain code",
-          vnni ? "int4 tiles, vpdpbusd (AVX512_VNNI)" : avx2 ? "int4 tiles, vpmaddubsw (AVX2)" : "int4 tiles, plain code",
-          Fp6Codes::VECTOR ? "6-bit tiles as packed, vpdpwssd (AVX512_VBMI, AVX512_VNNI)" : "6-bit tiles, plain code",
+          vnni ? "int8 tiles, vpdpwssd (AVX512_VNNI)" + tiles : avx2 ? "int8 tiles, vpmaddwd (AVX2)" : "int8 tiles, plain code",
+          vnni ? "int4 tiles, vpdpbusd (AVX512_VNNI)" + tiles : avx2 ? "int4 tiles, vpmaddubsw (AVX2)" : "int4 tiles, plain code",
+          Fp6Codes::VECTOR ? "6-bit tiles as packed, vpdpwssd (AVX512_VBMI, AVX512_VNNI)" + tiles : "6-bit tiles, plain code",
           kFastFp6 ? "6-bit codes through a bf16 table (AVX512_VBMI, AVX512_BF16)" : "6-bit codes, plain code",
-          vnni ? "int4k tiles, vpdpbusd (AVX512_VNNI)" : avx2 ? "int4k tiles, vpmaddubsw (AVX2)" : "int4k tiles, plain code"};
+          vnni ? "int4k tiles, vpdpbusd (AVX512_VNNI)" + tiles : avx2 ? "int4k tiles, vpmaddubsw (AVX2)" : "int4k tiles, plain code"};
 }
 
 // ---------------------------------------------------------------- layouts, made once at load

@@ -3,6 +3,9 @@
 
 namespace {
 
+constexpr int TILE = 16;  // output columns a column tile (columns.h)
+constexpr int BLOCK = 32;  // inputs that share an activation scale d_b (columns.h)
+
 // tile<R>(weight, x, ...): R input rows x [R, K] times weight rows n0 .. n1 - 1 into y [R, N], one overload per
 // weight format (dense.h, fp6.h), every output the same arithmetic whatever R.
 template <int R, class Weight>

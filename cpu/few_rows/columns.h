@@ -99,16 +99,23 @@ inline void round_block(const float* x, Q* q, float& d, int32_t& sum) {
 #endif
 }
 
-// shift: log2 of the group length whose sums the rows need (int4's offsets); 0: none.
+// x: rows [M, K], float32 or bf16 (a bf16 model's rows, taken as they are: exact in float32). shift: log2 of the group
+// length whose sums the rows need (int4's offsets); 0: none.
 template <class Q>
-Rounded<Q> round_rows(const float* x, int64_t M, int64_t K, int64_t shift) {
+Rounded<Q> round_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t shift) {
   const int64_t blocks = K / BLOCK, per_group = shift ? (int64_t(1) << shift) / BLOCK : 0;
   Rounded<Q> r{M, std::vector<Q>(M * K), std::vector<float>(M * blocks),
                std::vector<float>(shift ? M * (K >> shift) : 0)};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* floats = bf16 ? nullptr : x.data_ptr<float>();
+  const uint16_t* halves = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  float block[BLOCK];
   for (int64_t m = 0; m < M; m++)
     for (int64_t b = 0; b < blocks; b++) {
       int32_t sum;
-      round_block(x + m * K + b * BLOCK, r.q.data() + (b * M + m) * BLOCK, r.d[b * M + m], sum);
+      if (bf16)
+        for (int j = 0; j < BLOCK; j++) block[j] = bf16_value(halves[m * K + b * BLOCK + j]);
+      round_block(bf16 ? block : floats + m * K + b * BLOCK, r.q.data() + (b * M + m) * BLOCK, r.d[b * M + m], sum);
       if (shift) {
         float& group_sum = r.group_sums[b / per_group * M + m];  // blocks of a group in order
         group_sum = std::fma(r.d[b * M + m], float(sum), group_sum);
@@ -409,14 +416,14 @@ __attribute__((noinline)) void tile_int4_amx(int R, const Int4Tiles& w, const Fa
 }
 #endif
 
-// x [M, K] (float32) times int4 tiles [N / 16, K / 32, 256] and their factors: each tile once from memory, its passes
-// of rows one after another (the tile stays in cache between them), the tiles split over every core. M may be a
-// prompt's thousands of rows: the weights are read once all the same.
+// x [M, K] (float32 or bf16) times int4 tiles [N / 16, K / 32, 256] and their factors: each tile once from memory,
+// its passes of rows one after another (the tile stays in cache between them), the tiles split over every core. M may
+// be a prompt's thousands of rows: the weights are read once all the same.
 template <class Factors>
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& w, const Factors& fs, int64_t shift) {
   const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * BLOCK, M = x.size(0);
-  const RoundedRows a = round_rows<int8_t>(x.data_ptr<float>(), M, K, shift);
-  at::Tensor y = at::empty({M, N}, x.options());
+  const RoundedRows a = round_rows<int8_t>(x, M, K, shift);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const Int4Tiles weight{w.data_ptr<uint8_t>(), K, shift};
   float* yp = y.data_ptr<float>();
   const bool tiled = on_tiles(M, [&](auto tiles_of) {
@@ -434,7 +441,7 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& w, const Factors&
 void check_int4_tiles(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == Int4Tiles::BYTES && w.is_contiguous(),
               "few_rows: int4 tiles are uint8 [N / 16, K / 32, 256]");
-  check_rows(x, w.size(1) * BLOCK);
+  check_rows(x, w.size(1) * BLOCK, true);
 }
 
 // int4: bf16 factors [N / 16, K / group, 2, 16] (GroupFactors).
@@ -735,8 +742,8 @@ __attribute__((noinline)) void tile_wide_amx(int R, const Codes& w, const Factor
 template <class Codes, class Factors>
 at::Tensor wide(const at::Tensor& x, const Codes& w, const Factors& f, int64_t tiles) {
   const int64_t M = x.size(0), N = tiles * TILE;
-  const Rounded<int16_t> a = round_rows<int16_t>(x.data_ptr<float>(), M, w.K, 0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  const Rounded<int16_t> a = round_rows<int16_t>(x, M, w.K, 0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const bool tiled = Codes::VECTOR && on_tiles(M, [&](auto tiles_of) {
 #if FR_AVX512VNNI && FR_AVX512BW
@@ -760,7 +767,7 @@ at::Tensor wide_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                       const std::optional<at::Tensor>& table) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "few_rows: tiles are [N / 16, K / 32, bytes]");
   const int64_t tiles = w.size(0), blocks = w.size(1), K = blocks * BLOCK;
-  check_rows(x, K);
+  check_rows(x, K, true);
   TORCH_CHECK(factors.is_contiguous(), "few_rows: factors must be contiguous");
   const bool per_block = factors.dim() == 3;
   TORCH_CHECK(per_block ? factors.size(0) == tiles && factors.size(1) == blocks && factors.size(2) == TILE

@@ -212,8 +212,8 @@ std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Ten
 // computes every row by the same kernel, however many.
 constexpr int64_t STEP_TOKENS = 33;
 
-// rows [M, K] float32 times a weight laid out by layout() -> [M, N] float32 (N: whole tiles). `prompt`: the rows hold
-// more than STEP_TOKENS tokens a batch row.
+// rows [M, K] (float32; the tiles take bf16 too) times a weight laid out by layout() -> [M, N] float32 (N: whole
+// tiles). `prompt`: the rows hold more than STEP_TOKENS tokens a batch row.
 at::Tensor product_rows(const at::Tensor& rows, int64_t lay, const at::Tensor& w, const std::optional<at::Tensor>& f,
                         const std::optional<at::Tensor>& table, bool prompt) {
   switch (lay) {
@@ -249,8 +249,9 @@ at::Tensor linear(const at::Tensor& x, int64_t lay, const at::Tensor& w, const s
                   const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& bias, int64_t outputs) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "few_rows: linear takes bf16 or float32 inputs, not ", x.scalar_type());
-  // (bf16 tiles take a bf16 model's rows as they are; the other layouts float32)
-  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(lay == BF16_TILES ? x.scalar_type() : at::kFloat).contiguous();
+  // (tiles take a bf16 model's rows as they are; rows and 6-bit codes as packed float32)
+  const bool as_they_are = lay != DENSE && lay != FP6_TABLE;
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(as_they_are ? x.scalar_type() : at::kFloat).contiguous();
   const at::Tensor y = product_rows(rows, lay, w, f, table, x.dim() >= 2 && x.size(-2) > STEP_TOKENS);
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == outputs && bias->is_contiguous()),
               "few_rows: linear's bias must be float32 [outputs]");

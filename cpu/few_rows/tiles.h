@@ -85,8 +85,9 @@ int64_t stream_read(const at::Tensor& buffer) {
   return all;
 }
 
-void check_rows(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
+void check_rows(const at::Tensor& x, int64_t K, bool bf16 = false) {  // bf16: the kernel takes bf16 rows too
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16 && x.scalar_type() == at::kBFloat16)) &&
+                  x.is_contiguous() && x.size(1) == K,
               "few_rows: x must be float32 or bf16 [M, ", K, "]");
   TORCH_CHECK(K % L == 0, "few_rows: in_features ", K, " is not a multiple of ", L);
 }

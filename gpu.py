@@ -5,8 +5,8 @@ hardware: docs/cuda.md.
 Exact speculation rests on a verify computing each of its K + 1 rows as a decode step computes its one row. cuBLAS
 does not promise that (it picks kernels by shape), nor does PyTorch's own reduction for RMSNorm, so where Triton
 imports, every product, attention and RMSNorm of a step runs on gpu_kernels.py's rows kernels: one tile shape and one
-order over k for every row count, the weights decoded in registers from their file's layout (bf16, int8, int4, MX). A
-verify's row is a decode's by construction. model.py's ops rms_norm and attention get those kernels as their CUDA
+order over k for every row count, the weights decoded in registers (bf16 and int8 as the file has them; int4, int4k
+and MX codes in 32-bit words laid out at load: gpu_kernels.layout). A verify's row is a decode's by construction. model.py's ops rms_norm and attention get those kernels as their CUDA
 kernels (serve, for the process); each product module is replaced, by assignment, with a RowsLinear over the module's
 own tensors. Each kernel is first spot-checked against its reference on a few random rows (every row as it is alone,
 within backend.TOLERANCE of the reference); one that fails runs its reference, with one line saying why.

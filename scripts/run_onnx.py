@@ -294,6 +294,14 @@ def until_end(new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
     return next((new[:i + 1] for i, t in enumerate(new) if t in eos_ids), new)
 
 
+def greedy(target: ExportedModel, prompt: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+    """Plain greedy decoding on the target alone, one token per decode call: the reference for speculative_greedy."""
+    tokens = prompt + [int(target.prefill(prompt).argmax())]
+    while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in eos_ids:
+        tokens.append(int(target([tokens[-1]], len(tokens) - 1)[-1].argmax()))
+    return until_end(tokens[len(prompt):], max_new_tokens, eos_ids)
+
+
 def speculative_greedy(target: ExportedModel, draft: ExportedModel, prompt: list[int], max_new_tokens: int,
                        eos_ids=()):
     """-> (new tokens, histogram of tokens accepted per round)"""

@@ -38,7 +38,7 @@ struct AmxState {
 
 AmxState& amx_state() {
   static AmxState state = [] {
-    if (!FR_AMX) return AmxState{Amx::OFF, "this build has no AMX code (-march=native found no AMX on this CPU)"};
+    if (!FR_AMX) return AmxState{Amx::OFF, "this build has no AMX code (its compiler targeted none)"};
 #if defined(__linux__)
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0)

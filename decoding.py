@@ -204,7 +204,7 @@ def extend_rows(outputs, histories, new, done, eos_ids, max_new_tokens):
 
 
 @keeps_thread_count
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping on any op (a step is faster than under no_grad)
 def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps, temperature=0.0, top_k=None,
              top_p=None, eos_ids=(), on_token=None, drafter=None, speculate_k=5, sync_every=None, cached=0,
              request=None):

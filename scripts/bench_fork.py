@@ -1,17 +1,18 @@
 """What a fork's edit to model.py costs, on the CPU backend with --compile: the shipped model and four forks as a user
-would make them, each edited in the source of one function of model.py, decoded in alternating fresh processes.
+would make them, each edited in the source of one function of model.py, decoded in turns by long-lived processes.
 
     python scripts/bench_fork.py --checkpoint_path checkpoints/qwen2.5-coder-1.5b
 
 The forks: RMSNorm's eps (x 10, model.RMSNorm.forward), the MLP's activation (SiLU -> GELU, model.FeedForward.forward),
 rotary (the other direction, model.apply_rotary) and attention's scale (x 0.9, model.Attention.attend). Each is plain
-Python that the compiled step runs around the same kernels. A process per run: Dynamo does not guard on a class's
-methods, so a step compiled for one model.py would run for another in the same process. Each process loads the
-checkpoint, compiles (from Inductor's cache after the first run of its fork), decodes the prompt greedily, and checks
-that speculation (n-gram drafts, K = 4) gives the plain tokens. Reported: each one's median decode tok/s, its share of
-the shipped model's (the median and range over the rounds of its rate over the shipped model's in the same round: a
-VM's speed drifts between rounds), and whether speculation was exact in every run. --baseline CHECKOUT adds its model.py as shipped
-(a commit before a change, say) to the turns; --forks picks the forks (none: the shipped model against the baseline).
+Python that the compiled step runs around the same kernels. A process per model.py (Dynamo does not guard on a
+class's methods, so a step compiled for one model.py would run for another in the same process), all alive at once
+(memory for each): each loads the checkpoint, compiles, checks that speculation (n-gram drafts, K = 4) gives the plain
+tokens, then decodes the prompt greedily once a round, the processes taking turns round by round. Reported: each one's
+median decode tok/s, its share of the shipped model's (the median and range over the rounds of its rate over the
+shipped model's in the same round: a VM's speed drifts between rounds), and whether speculation was exact.
+--baseline CHECKOUT adds its model.py as shipped (a commit before a change, say) to the turns; --forks picks the
+forks (none: the shipped model against the baseline); --eager decodes without --compile.
 """
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ if __name__ == "__main__":
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 
 from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E402
 
@@ -35,9 +37,9 @@ EDITS = {"as shipped": None,
          "rotary": ("apply_rotary", "x1 * cos - x2 * sin, x2 * cos + x1 * sin", "x1 * cos + x2 * sin, x2 * cos - x1 * sin"),
          "attention scale": ("Attention.attend", "q.shape[-1] ** -0.5)", "0.9 * q.shape[-1] ** -0.5)")}
 
-ONE_RUN = """
+SERVER = """
 import inspect, json, sys, textwrap, time
-root, checkpoint, edit, prompt, new_tokens, dtype = sys.argv[1:]
+root, checkpoint, edit, prompt, new_tokens, dtype, compiled = sys.argv[1:]
 sys.path.insert(0, root)
 import torch
 import model
@@ -58,13 +60,24 @@ from speculative import NgramDrafter
 from tokenizer import Tokenizer
 m = load_model(checkpoint, "cpu", DTYPES[dtype])
 ids = Tokenizer(resolve_checkpoint(checkpoint)[0]).encode(prompt)
-steps = Steps(compile=True)
-generate(m, [ids], 4, steps)
-generate(m, [ids], 9, steps, drafter=NgramDrafter(), speculate_k=4)
-rows, stats = generate(m, [ids], int(new_tokens), steps)
+steps = Steps(compile=compiled == "1")
+rows, _ = generate(m, [ids], int(new_tokens), steps)
 drafted, _ = generate(m, [ids], int(new_tokens), steps, drafter=NgramDrafter(), speculate_k=4)
-print(json.dumps(dict(rate=(len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]), exact=drafted == rows)))
+print(json.dumps(dict(exact=drafted == rows)), flush=True)
+for _ in sys.stdin:  # a line a round
+    rows, stats = generate(m, [ids], int(new_tokens), steps)
+    print((len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]), flush=True)
 """
+
+
+def ready(label, server, log) -> str:
+    """The server's next line, or the last line of its log (stderr) as an InputError."""
+    line = server.stdout.readline()
+    if not line:
+        server.wait()
+        log.seek(0)
+        raise InputError(f"{label}: {(log.read().strip().splitlines() or ['?'])[-1]}")
+    return line.strip()
 
 
 def measure(opts):
@@ -81,23 +94,32 @@ def measure(opts):
         if not (Path(opts.baseline) / "model.py").is_file():
             raise InputError(f"--baseline {opts.baseline}: no model.py there; give a checkout of this project")
         runs[f"{opts.baseline} as shipped"] = (Path(opts.baseline).resolve(), None)
-    rates, exact = {label: [] for label in runs}, {label: True for label in runs}
-    for _ in range(opts.repeats):
-        for label, (checkout, edit) in runs.items():
-            result = subprocess.run([sys.executable, "-c", ONE_RUN, str(checkout), opts.checkpoint_path,
-                                     json.dumps(edit), opts.prompt, str(opts.max_new_tokens), opts.dtype],
-                                    capture_output=True, text=True)
-            if result.returncode:
-                raise InputError(f"{label}: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
-            run = json.loads(result.stdout.strip().splitlines()[-1])
-            rates[label].append(run["rate"])
-            exact[label] &= run["exact"]
-            print(f"{label}: {run['rate']:.2f} tok/s", flush=True)
+    servers, logs, exact = {}, {}, {}
+    try:
+        for label, (checkout, edit) in runs.items():  # one after another: the loads and compiles do not overlap
+            logs[label] = tempfile.TemporaryFile("w+")
+            servers[label] = subprocess.Popen(
+                [sys.executable, "-c", SERVER, str(checkout), opts.checkpoint_path, json.dumps(edit), opts.prompt,
+                 str(opts.max_new_tokens), opts.dtype, "0" if opts.eager else "1"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[label], text=True)
+            exact[label] = json.loads(ready(label, servers[label], logs[label]))["exact"]
+        rates = {label: [] for label in runs}
+        for round_ in range(opts.repeats):
+            for label, server in servers.items():
+                server.stdin.write("go\n")
+                server.stdin.flush()
+                rates[label].append(float(ready(label, server, logs[label])))
+            print(f"round {round_ + 1}: " + ", ".join(f"{label} {r[-1]:.2f}" for label, r in rates.items()), flush=True)
+    finally:
+        for server in servers.values():
+            server.kill()
+        for log in logs.values():
+            log.close()
     print("| model.py | decode tok/s (median) | x as shipped (median) | x as shipped, by round | speculation exact |\n"
           "|---|---|---|---|---|")
     for label in runs:
         ratios = [rate / shipped for rate, shipped in zip(rates[label], rates["as shipped"])]
-        print(f"| {label} | {statistics.median(rates[label]):.2f} | {statistics.median(ratios):.2f} | "
+        print(f"| {label} | {statistics.median(rates[label]):.2f} | {statistics.median(ratios):.3f} | "
               f"{min(ratios):.2f}-{max(ratios):.2f} | {'yes' if exact[label] else 'NO'} |")
 
 
@@ -106,7 +128,8 @@ def main(argv=None):
     parser.add_argument("--checkpoint_path", default="checkpoints/SmolLM2-135M-Instruct")
     parser.add_argument("--prompt", default="def fibonacci(n):")
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each model.py, taking turns")
+    parser.add_argument("--repeats", type=int, default=10, help="rounds: a decode of each model.py, taking turns")
+    parser.add_argument("--eager", action="store_true", help="decode without --compile")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--forks", default=",".join(list(EDITS)[1:]), help="which forks, comma-separated (empty: none)")
     parser.add_argument("--baseline", help="another checkout whose model.py as shipped takes turns too")

@@ -50,7 +50,7 @@ def measure(opts):
         path = opts.checkpoint_path if mode == "bf16" else quantized_path(opts.checkpoint_path, mode)
         m = load_model(path, "cpu", DTYPES[opts.dtype])
         m.setup_caches(1, PROMPT + 2 * max(rows) + 8)
-        with torch.no_grad():
+        with torch.inference_mode():  # as generate runs its steps
             m(torch.arange(PROMPT)[None] % 1000, torch.arange(PROMPT)[None])
         models[mode] = m
         steps[mode] = compile_step(lambda tokens, positions, m=m: m(tokens, positions), "cpu") if opts.compile else m
@@ -59,7 +59,7 @@ def measure(opts):
     times = {(mode, r): [] for mode in modes for r in rows}
     tokens = {r: torch.arange(r)[None] % 1000 + 1000 for r in rows}
     positions = {r: PROMPT + torch.arange(r)[None] for r in rows}
-    with torch.no_grad():
+    with torch.inference_mode():
         for repeat in range(opts.repeats + 2):  # the first two warm up
             for mode, step in steps.items():
                 for r in rows:

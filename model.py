@@ -183,7 +183,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd, r = self.args.head_dim, self.args.rotary_dim
         qk, v = self.wqkv(x).view(B, T, -1, hd).split([self.n_heads + self.n_kv_heads, self.n_kv_heads], 2)
-        # q's and k's heads rotate in one call: the same math, half an eager step's small ops
+        # q's and k's heads rotate in one call: the same math in half the small ops (eager)
         q, k = apply_rotary(qk, cos, sin, r).split([self.n_heads, self.n_kv_heads], 2)
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, L, D]
         # Grouped-query attention without repeating the cache: the G query heads that share a KV head are

@@ -185,3 +185,21 @@ def test_bench_rows_prints_every_format_and_row_count(quantized, capsys):
     assert rows[1][4].strip() == "100%" and rows[1][5].strip() == rows[3][5].strip() == "1.00"
     with pytest.raises(SystemExit, match="--modes: unknown mode 'int3'"):
         bench_rows.main(["--checkpoint_path", str(ckpt), "--modes", "bf16,int3"])
+
+
+def test_bench_fork_takes_turns_in_long_lived_processes(tiny, tmp_path, capsys):
+    """scripts/bench_fork.py: a line a round with every model.py's rate, then the table (the shipped model the 1.000
+    of each ratio, speculation exact for a fork too); a baseline whose model.py fails is one line naming it."""
+    import bench_fork
+    ckpt, _ = tiny("llama_gqa_tied")
+    bench_fork.main(["--checkpoint_path", str(ckpt), "--forks", "rotary", "--repeats", "2", "--eager",
+                     "--max_new_tokens", "8"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out if line.startswith("round")] == ["round 1", "round 2"]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out if line.startswith("| ")]
+    assert [(r[0], r[-1]) for r in rows[1:]] == [("as shipped", "yes"), ("rotary", "yes")]
+    assert rows[1][2] == "1.000"
+    (tmp_path / "model.py").write_text('raise SystemExit("this model.py refuses to import")\n')
+    with pytest.raises(SystemExit, match="as shipped: this model.py refuses to import"):
+        bench_fork.main(["--checkpoint_path", str(ckpt), "--forks", "", "--baseline", str(tmp_path), "--repeats", "1",
+                         "--eager", "--max_new_tokens", "4"])

@@ -14,8 +14,8 @@ import ranks
 from backend import LONGEST_VERIFY, report
 from checkpoint import InputError
 from model import ModelArgs
-from speculative import (STEP_CONFIG, AdaptiveK, ModelDrafter, compile_step, forward, sample, speculative_decode,
-                         verify)
+from speculative import (STEP_CONFIG, DraftLength, ModelDrafter, any_length, compile_step, forward, sample,
+                         speculative_decode, verify)
 
 CACHE_ROUNDING = 256  # cache lengths are rounded up so that nearby requests reuse one cache (and one graph)
 
@@ -39,12 +39,12 @@ def step(fn, compile=False, device="cpu"):
 
 
 class Steps:
-    """The prefill, decode and verify functions, compiled or not. Compiled once per process and reused; a second
-    speculate_k makes the verify one graph for any K."""
+    """The prefill, decode and verify functions, compiled or not. Compiled once per process and reused; the verify is
+    one graph for rounds of any length (speculative.any_length)."""
 
     def __init__(self, compile=False, compile_prefill=False, device="cpu"):
         self.decode = step(decode_one_token, compile, device)
-        self.verify = functools.partial(verify, step(forward, compile, device))
+        self.verify = functools.partial(verify, any_length(compile_step(forward, device)) if compile else forward)
         self.prefill = prefill
         if compile_prefill:  # one graph for any prompt length (speculative.STEP_CONFIG while it runs)
             self.prefill = torch._dynamo.config.patch(**STEP_CONFIG)(torch.compile(prefill, fullgraph=True, dynamic=True))
@@ -61,12 +61,12 @@ def cache_length(longest_prompt: int, max_new_tokens: int, args: ModelArgs, extr
 
 
 def most_drafts(speculate_k, verify_limit=None) -> int:
-    """The most drafts a round verifies: speculate_k, or for "auto" the most speculative.AdaptiveK tries; at most
+    """The most drafts a round verifies: speculate_k, or for "auto" the most speculative.DraftLength drafts; at most
     backend.LONGEST_VERIFY - 1, lowered to what the backend verifies exactly (verify_limit tokens a row,
     backend.Report.max_verify_tokens; None: no lower limit). A speculate_k past that is an error."""
     limit = min(LONGEST_VERIFY, verify_limit or LONGEST_VERIFY)
     if speculate_k == "auto":
-        return min(AdaptiveK.k_max, limit - 1)
+        return limit - 1
     if speculate_k + 1 > limit:
         raise InputError(f"--speculate_k {speculate_k}: at most {limit - 1} (or auto)" + (
             f" with this backend, whose verify computes at most {limit} tokens a row exactly" if limit < LONGEST_VERIFY
@@ -96,7 +96,7 @@ def plan(args: ModelArgs, longest_prompt: int, max_new_tokens: int, speculate_k=
     backend: the cache a request gets does not depend on which backend serves it)."""
     if speculate_k is None:
         return Plan(0, cache_length(longest_prompt, max_new_tokens, args))
-    spare = 2 * ((AdaptiveK.k_max if speculate_k == "auto" else speculate_k) + 1)
+    spare = 2 * ((LONGEST_VERIFY - 1 if speculate_k == "auto" else speculate_k) + 1)
     return Plan(most_drafts(speculate_k, verify_limit), cache_length(longest_prompt, max_new_tokens, args, spare),
                 speculate_k)
 
@@ -137,32 +137,34 @@ class Acceptance:
     """A speculative run's tallies: rounds by drafts accepted, drafts proposed, judged and accepted, and the time
     drafting and verifying took (the stats generate.py prints)."""
 
-    def __init__(self, k_max):
-        self.counts, self.ks = [0] * (k_max + 1), []
+    def __init__(self, k_max, speculate_k):
+        self.counts, self.speculate_k = [0] * (k_max + 1), speculate_k
         self.draft_s = self.verify_s = 0.0
-        self.drafted = self.tried = self.accepted = 0
+        self.rounds = self.drafted = self.tried = self.accepted = 0
 
-    def add(self, k, drafts, n, done, timing):
-        """A round of k drafts (of which the longest row could use `drafts`) that accepted n[b] in each row not done;
-        -> (accepted, judged) in the rows not done."""
+    def add(self, drafts, n, done, timing, whole=True):
+        """A round of `drafts` drafts (padding not counted) that accepted n[b] in each row not done; -> (accepted,
+        judged) in the rows not done. The histogram counts whole rounds: not a fixed K's last, cut short."""
         self.draft_s, self.verify_s = self.draft_s + timing[0], self.verify_s + timing[1]
         self.drafted += drafts
+        self.rounds += 1
         accepted = tried = 0
         for m, finished in zip(n, done):
             if not finished:
-                if drafts == k:  # the histogram is over rounds of K drafts
-                    self.counts[m] += 1
                 m = min(m, drafts)  # accepted padding is cut off: not counted
+                self.counts[m] += whole
                 accepted, tried = accepted + m, tried + min(m + 1, drafts)
         self.tried, self.accepted = self.tried + tried, self.accepted + accepted
-        self.ks.append(k)
         return accepted, tried
 
-    def stats(self, rounds, k_max) -> dict:
-        tokens_in_full_rounds = sum((i + 1) * c for i, c in enumerate(self.counts))
-        return dict(accept_counts=self.counts, speculate_k=max(set(self.ks), key=self.ks.count) if self.ks else k_max,
-                    mean_accepted=tokens_in_full_rounds / max(sum(self.counts), 1),
-                    alpha=self.accepted / max(self.tried, 1),
+    def stats(self, rounds) -> dict:
+        """accept_counts: rows' rounds by drafts accepted; mean_accepted: tokens a row's round emits (accepted + 1);
+        mean_drafted: drafts a round; alpha: accepted / judged drafts; draft_cost_ratio: a draft step over a verify."""
+        emitted = sum((i + 1) * c for i, c in enumerate(self.counts))
+        return dict(accept_counts=self.counts, speculate_k=self.speculate_k,
+                    mean_accepted=emitted / max(sum(self.counts), 1),
+                    mean_drafted=self.drafted / max(self.rounds, 1),
+                    alpha=self.accepted / max(self.tried, 1), draft_step_s=self.draft_s / max(self.drafted, 1),
                     draft_cost_ratio=(self.draft_s / max(self.drafted, 1)) / (self.verify_s / rounds)
                     if rounds else 0.0,
                     verify_s_per_round=self.verify_s / max(rounds, 1))
@@ -229,13 +231,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
     if request is None:
         request = plan(model.args, tokens.shape[1], max_new_tokens, speculate_k if drafter else None)
     request = request.within(report(model).max_verify_tokens)
-    adaptive = AdaptiveK(k_max=request.k_max) if drafter and speculate_k == "auto" else None
+    length = DraftLength(request.k_max) if drafter and speculate_k == "auto" else None
     cache_len = max(model.max_seq_len, request.cache_len)
     model.setup_caches(len(prompts), cache_len)
     t0 = time.perf_counter()
     token = steps.prefill(model, tokens[:, cached:], input_pos[:, cached:], (lengths - 1 - cached)[:, None], *sampling)
     if drafter:
-        drafter.prefill(tokens, input_pos, cache_len, cached)
+        drafter.prefill(tokens, input_pos, cache_len, cached, sampling)
     outputs = [[t] for t in token.tolist()]
     stats = {"prefill_s": time.perf_counter() - t0, "prefilled": (cached, tokens.shape[1])}
     done = [t in eos_ids or max_new_tokens == 1 for t in token.tolist()]
@@ -243,7 +245,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
         on_token(outputs[0][:])
     pos = lengths.clone()  # position of each row's newest token, not yet in the cache
     histories = [list(p) + o for p, o in zip(prompts, outputs)]
-    rounds, tally = 0, Acceptance(request.k_max)
+    rounds, tally = 0, Acceptance(request.k_max, speculate_k)
     sizer = ThreadSizer() if sizes_threads(model, drafter) else NoSizer()
     while not all(done):
         active = torch.tensor([not d for d in done], device=device)
@@ -252,14 +254,16 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
             token, new = decode_chunk(model, steps, token, pos, active, min(sync_every, min(room)), sampling)
             rounds += len(new[0])
         else:
-            k = ranks.from_rank0(adaptive.k) if adaptive else speculate_k  # every rank verifies the same K
-            drafts = min(k, max(room) - 1)  # a last round drafts only what its longest row can still emit
-            draft, n, next_token, timing = speculative_decode(model, drafter, histories, pos, k, steps.verify,
-                                                              *sampling, drafts)
+            drafts = min(request.k_max, max(room) - 1)  # a last round drafts only what its longest row can emit
+            if length:  # every rank drafts as far: the threshold (from timings) is rank 0's
+                length.set_threshold(ranks.from_rank0(length.start([not d for d in done], drafts)))
+            draft, n, next_token, timing, drafted = speculative_decode(
+                model, drafter, histories, pos, steps.verify, *sampling, drafts=drafts,
+                pad_to=1 if length else request.k_max, more=length.more if length else None)
             new = [d[:m] + [t] for d, m, t in zip(draft.tolist(), n.tolist(), next_token.tolist())]
-            accepted, tried = tally.add(k, drafts, n.tolist(), done, timing)
-            if adaptive and drafts == k:
-                adaptive.update(accepted, tried, timing[0] / k, timing[1])
+            tally.add(drafted, n.tolist(), done, timing, whole=bool(length) or drafted == request.k_max)
+            if length:
+                length.update(n.tolist(), [not d for d in done], *timing)
             pos += (n + 1) * active  # a finished row stays where it is
             rounds += 1
         shown = len(outputs[0])
@@ -270,7 +274,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, steps: Steps,
             on_token(outputs[0][shown:])
         sizer()
     stats.update(total_s=time.perf_counter() - t0, decode_steps=rounds, threads=sizer.threads)
-    return outputs, stats | (tally.stats(rounds, request.k_max) if drafter else {})
+    return outputs, stats | (tally.stats(rounds) if drafter else {})
 
 
 # ---------------------------------------------------------------- the loop's threads

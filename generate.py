@@ -26,7 +26,7 @@ from backend import report
 from chat import Chat, ChatTemplate
 from checkpoint import Checkpoint, InputError, OneLineErrors, open_checkpoint
 from decoding import Plan, Steps, generate, plan, presize_caches
-from loading import BACKENDS, DTYPES, check_device, draft_mode, load_model, make_drafter
+from loading import BACKENDS, DRAFT_VOCAB, DTYPES, check_device, draft_mode, load_model, make_drafter
 from tokenizer import TextStream, Tokenizer
 
 def parse_prompt(prompt: str, tokenizer: Tokenizer, seed: int) -> list[int]:
@@ -42,6 +42,14 @@ def speculate_k_arg(value: str):
         return value
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"'{value}' is not a positive integer or 'auto'")
+    return int(value)
+
+
+def draft_vocab_arg(value: str):
+    if value == "all":
+        return None
+    if not value.isdigit() or int(value) < 16 or int(value) % 16:
+        raise argparse.ArgumentTypeError(f"'{value}' is not 'all' or a multiple of 16, at least 16")
     return int(value)
 
 
@@ -78,7 +86,13 @@ def build_parser():
     p.add_argument("--draft", choices=["model", "ngram"], default=None,
                    help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
     p.add_argument("--speculate_k", type=speculate_k_arg, default=5,
-                   help="tokens drafted per speculative round, or 'auto' (chosen online from measured alpha and c)")
+                   help="tokens drafted per speculative round, or 'auto': each round drafts while the draft is sure "
+                   "(its threshold learned from measured acceptance and costs)")
+    p.add_argument("--draft_vocab", type=draft_vocab_arg, default=DRAFT_VOCAB,
+                   help="all (default), or N: the draft model proposes among its N likeliest tokens (its LM head's "
+                   "rows; ranked once by their counts in the Python standard library's source): a cheaper draft "
+                   "step for code and English, fewer accepted drafts for other text. It changes which drafts are "
+                   "accepted, never the output")
     p.add_argument("--nproc_per_node", type=int, default=1, help="tensor parallelism: this many ranks on this host "
                    "(as torchrun starts them; gloo on CPU, NCCL with one GPU each)")
     return p
@@ -106,6 +120,8 @@ def check_options(opts):
         if not opts.draft_checkpoint:
             raise InputError("--draft_quantize applies to a draft model; give --draft_checkpoint PATH or drop it")
         draft_mode(opts.draft_quantize, opts.backend)
+    if opts.draft_vocab is not None and not opts.draft_checkpoint:
+        raise InputError("--draft_vocab applies to a draft model; give --draft_checkpoint PATH or drop it")
     if opts.nproc_per_node < 1:
         raise InputError(f"--nproc_per_node {opts.nproc_per_node}: must be at least 1")
     if opts.chat and (opts.batch_size > 1 or opts.num_samples > 1):
@@ -212,7 +228,7 @@ def run(opts):
     t = time.perf_counter()
     drafter = make_drafter(opts.draft or ("model" if opts.draft_checkpoint else None), checked.draft, device,
                            DTYPES[opts.dtype], opts.backend, opts.compile, draft_phases,
-                           opts.draft_quantize or "auto")
+                           opts.draft_quantize or "auto", vocab=opts.draft_vocab)
     draft_load_s = time.perf_counter() - t if draft_phases else 0.0
     if opts.verbose and rank0:
         say_phases(f"loaded {ckpt_dir}", load_s, load_phases)
@@ -313,7 +329,7 @@ def say(opts, rows, stats, which, prompt, tokenizer, stop_ids, metrics, rank0, s
     # Bytes of target weights read per second: one full read per decode step or verify round.
     bandwidth = metrics["step_bytes"] * stats["decode_steps"] / decode_s / 1e9 if decode_s > 0 else 0.0
     spec = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
-            if k in ("accept_counts", "mean_accepted", "alpha", "draft_cost_ratio", "speculate_k")}
+            if k in ("accept_counts", "mean_accepted", "mean_drafted", "alpha", "draft_cost_ratio", "speculate_k")}
     if not rank0:
         return
     for b, row in enumerate(rows):
@@ -336,9 +352,9 @@ def say(opts, rows, stats, which, prompt, tokenizer, stop_ids, metrics, rank0, s
                  "cores busy" if shared else "") + "]", file=sys.stderr)
         if spec:
             form = metrics["load"].get("draft_form")
-            print(f"[speculative: {f'draft {form}, ' if form else ''}k={spec['speculate_k']}, accept counts "
-                  f"{spec['accept_counts']}, mean "
-                  f"accepted {spec['mean_accepted']:.2f}, alpha {spec['alpha']:.3f}, draft cost ratio "
+            print(f"[speculative: {f'draft {form}, ' if form else ''}k={spec['speculate_k']}, drafted "
+                  f"{spec['mean_drafted']:.2f} and emitted {spec['mean_accepted']:.2f} tokens a round, accept counts "
+                  f"{spec['accept_counts']}, alpha {spec['alpha']:.3f}, draft cost ratio "
                   f"{spec['draft_cost_ratio']:.3f}]", file=sys.stderr)
 
 

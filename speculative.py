@@ -5,6 +5,7 @@ deterministic: q is then one-hot); the target scores [last, d1..dK] in one forwa
 modified rejection rule accepts a prefix and draws one more token, so every round emits 1..K+1 tokens and the
 output is distributed exactly as plain decoding from the target (Leviathan et al. 2023, Chen et al. 2023).
 """
+import bisect
 import time
 
 import torch
@@ -124,6 +125,15 @@ def forward(model, tokens, input_pos):
     return model(tokens, input_pos)
 
 
+def any_length(compiled_forward):
+    """A compiled forward for verifies of any length: one graph, made at the first call."""
+    def forward_step(model, tokens, input_pos):
+        torch._dynamo.maybe_mark_dynamic(tokens, 1)
+        torch._dynamo.maybe_mark_dynamic(input_pos, 1)
+        return compiled_forward(model, tokens, input_pos)
+    return forward_step
+
+
 def verify(forward_step, model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p):
     """forward_step(model, tokens, input_pos) (forward, compiled or not) over [last, d1..dK], then the acceptance
     rule."""
@@ -137,6 +147,27 @@ def verify(forward_step, model, tokens, input_pos, draft, q, u, noise, temperatu
     return accept(draft, q, logits_to_probs(logits, temperature, top_k, top_p), u, noise)
 
 
+def ranked_vocabulary(tokenizer, vocab_size: int) -> tuple[torch.Tensor, str]:
+    """Every token id [vocab_size], the likeliest first, from text every machine has: the special tokens (ending a
+    turn is the draft's to propose), then the tokens of this Python's standard library source (its modules, not
+    their tests: code, docstrings, comments) by count, then the rest by id (a BPE vocabulary's merge order).
+    -> (ids, what was counted, in words)"""
+    import sys
+    import sysconfig
+    from pathlib import Path
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    texts = [p.read_text(errors="replace") for p in files]
+    ids = torch.tensor([i for row in tokenizer.encode_texts(texts) for i in row], dtype=torch.long)
+    counts = torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    special = sorted(i for i in tokenizer.special_ids | tokenizer.eos_ids if i < vocab_size)
+    counts[special] = counts.sum() + 1
+    version = ".".join(map(str, sys.version_info[:3]))
+    return torch.argsort(-counts, stable=True), (f"the tokens of CPython {version}'s standard library, {len(files)} "
+                                                 f"files, {len(ids)} tokens")
+
+
 class ModelDrafter:
     """A separate (smaller, or quantized) model proposes tokens with its own static KV cache.
 
@@ -146,11 +177,16 @@ class ModelDrafter:
     the draft has two static shapes (2 and 1 tokens); rounds with no catching up pay for one token, not two.
     Each shape has its own static compiled graph (one graph dynamic in the token count made 1-token steps slower:
     docs/how-it-works.md).
+
+    vocabulary: the token ids [N] of the draft's LM head rows where its head was trimmed to the likeliest tokens
+    (loading.load_draft): a step then reads N rows of the head, not the whole vocabulary's, and proposes among them
+    only. A token outside them is never drafted (its q is 0); the target still emits it, so the output is unchanged.
     """
 
-    def __init__(self, model, compile=False, form=None):
+    def __init__(self, model, compile=False, form=None, vocabulary=None):
         self.model = model
         self.form = form  # what the draft runs as, for the report: "int4 (FILE)", "bf16", ...
+        self.vocabulary = vocabulary
         self.cached_until = None
         self.step = self._step
         if compile:
@@ -158,35 +194,53 @@ class ModelDrafter:
             self.step = compile_step(self._step, model.tok_embeddings.weight.device, same_rows=False, dynamic=False)
 
     @staticmethod
-    def _step(model, tokens, input_pos, temperature, top_k, top_p):
+    def _step(model, tokens, input_pos, vocabulary, temperature, top_k, top_p):
+        """-> (each row's draft [B], the distribution it was drawn from over the whole vocabulary [B, V] or None when
+        greedy, the draft's probability of it [B]: how sure the draft is)."""
         logits = model(tokens, input_pos)[:, -1]
         if temperature == 0:
-            return argmax(logits), None
+            index, sure = argmax(logits), logits.float().softmax(-1).max(-1).values
+            return index if vocabulary is None else vocabulary[index], None, sure
         q = logits_to_probs(logits, temperature, top_k, top_p)
-        return argmax(q / torch.empty_like(q).exponential_(1)), q
+        index = argmax(q / torch.empty_like(q).exponential_(1))
+        sure = q.gather(-1, index[:, None])[:, 0]
+        if vocabulary is not None:
+            index = vocabulary[index]
+            q = q.new_zeros(q.shape[0], model.tok_embeddings.num_embeddings).index_copy_(-1, vocabulary, q)
+        return index, q, sure
 
-    def prefill(self, tokens, input_pos, cache_len, cached=0):
+    def prefill(self, tokens, input_pos, cache_len, cached=0, sampling=(0.0, None, None)):
         """Cache the prompts [B, T] from position `cached` on (the target holds the first `cached` from an earlier
-        call), or from where this draft's own cache stops being valid, if that is earlier."""
+        call), or from where this draft's own cache stops being valid, if that is earlier. sampling: the request's
+        (temperature, top_k, top_p)."""
         if cached and self.cached_until is not None:  # the last round fed positions up to cached_until - 1 only
             cached = min(cached, int(self.cached_until.min()))
         self.model.setup_caches(tokens.shape[0], cache_len)
         self.model(tokens[:, cached:], input_pos[:, cached:], input_pos[:, -1:] * 0)  # only the KV cache matters
         self.cached_until = None  # each row's prompt is cached; the next round needs no catching up
+        if self.step is not self._step and tokens.shape[1] - cached >= 2:
+            # a catch-up step over the prompt's last two positions (they get the same entries, or are padding that
+            # is overwritten before it is seen): its graph compiles here, not inside a decode
+            self.step(self.model, tokens[:, -2:], input_pos[:, -2:], self.vocabulary, *sampling)
 
-    def propose(self, histories, pos, k, temperature, top_k, top_p):
+    def propose(self, histories, pos, k, temperature, top_k, top_p, more=None):
+        """At most k drafts a row, [B, n], and their q [B, n, V] (None when greedy); more(sure [B]) after each draft
+        step says whether to draft another (None: all k)."""
         device = pos.device
         catch_up = self.cached_until is not None and bool((pos > self.cached_until).any())
         n = 2 if catch_up else 1
-        first = torch.tensor([h[-n:] for h in histories], device=device)
+        token = torch.tensor([h[-n:] for h in histories], device=device)
         positions = pos[:, None] + torch.arange(1 - n, 1, device=device)
-        token, q = self.step(self.model, first, positions, temperature, top_k, top_p)
-        tokens, qs = [token], [q]
-        for i in range(1, k):
-            token, q = self.step(self.model, token[:, None], (pos + i)[:, None], temperature, top_k, top_p)
+        tokens, qs = [], []
+        for i in range(k):
+            token, q, sure = self.step(self.model, token, positions, self.vocabulary, temperature, top_k, top_p)
             tokens.append(token)
             qs.append(q)
-        self.cached_until = pos + k  # this round fed positions pos .. pos + k - 1
+            stop = more is not None and not more(sure)
+            if stop or i + 1 == k:
+                break
+            token, positions = token[:, None], (pos + i + 1)[:, None]
+        self.cached_until = pos + len(tokens)  # this round fed positions pos .. pos + n - 1
         return torch.stack(tokens, 1), None if temperature == 0 else torch.stack(qs, 1)
 
 
@@ -196,10 +250,11 @@ class NgramDrafter:
     def __init__(self, max_ngram=3):
         self.max_ngram = max_ngram
 
-    def prefill(self, tokens, input_pos, cache_len, cached=0):
+    def prefill(self, tokens, input_pos, cache_len, cached=0, sampling=None):
         pass
 
-    def propose(self, histories, pos, k, temperature, top_k, top_p):
+    def propose(self, histories, pos, k, temperature, top_k, top_p, more=None):
+        """k drafts a row, or fewer where more(None) (they have no probability of their own) says stop."""
         proposals = []
         for h in histories:
             continuation = []
@@ -213,7 +268,12 @@ class NgramDrafter:
                     break
             continuation = (continuation or [h[-1]]) + [h[-1]] * k  # fixed shape: pad with the last token
             proposals.append(continuation[:k])
-        return torch.tensor(proposals, device=pos.device), None  # deterministic: q is one-hot
+        n = 0
+        while n < k:
+            n += 1
+            if more is not None and not more(None):
+                break
+        return torch.tensor(proposals, device=pos.device)[:, :n], None  # deterministic: q is one-hot
 
 
 def expected_speedup(alpha: float, c: float, k: int) -> float:
@@ -222,64 +282,145 @@ def expected_speedup(alpha: float, c: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
 
 
-class AdaptiveK:
-    """--speculate_k auto: every few rounds, step K by one toward the K, among every K the backend verifies exactly
-    (up to k_max), that maximizes tokens per second,
-    (1 - a^(K+1)) / (1 - a) / (K t_draft + t_verify(K)), from moving averages measured online: alpha (accepted /
-    tried drafts), the draft step time, and the verify time at each K tried, fitted by a line in K. With one K
-    seen, t_verify is taken as constant and this is expected_speedup with c = t_draft / t_verify. The verify
-    time matters: on CPUs a (K+1)-token verify costs up to several decode steps (scripts/bench.py column v).
-    Small steps, though compiling is not what they save: the second K seen turns the compiled verify into one
-    graph for any K (dynamo's automatic dynamic shapes), and no K after it compiles."""
+class Seconds:
+    """A running estimate of how long something takes that outliers (a compile, a first call, a busy host) cannot
+    pull far: a reading counts at most twice the estimate, one below it moves it more than one above, and one below
+    half of it replaces it (the estimate came from an outlier)."""
 
-    k_max = LONGEST_VERIFY - 1  # the most it ever tries; a caller may lower it
+    def __init__(self):
+        self.value, self.count = None, 0
 
-    def __init__(self, k=4, every=8, decay=0.8, k_max=None):
-        self.k, self.every, self.decay = k, every, decay
-        self.k_max = min(self.k_max, k_max or self.k_max)
-        self.alpha, self.draft_s, self.verify_s, self.rounds = 0.5, None, {}, 0
-
-    def _ema(self, old, new):
-        return new if old is None else self.decay * old + (1 - self.decay) * new
-
-    def verify_time(self, k: int) -> float:
-        ks = sorted(self.verify_s)
-        if len(ks) == 1:
-            return self.verify_s[ks[0]]
-        mean_k, mean_t = sum(ks) / len(ks), sum(self.verify_s.values()) / len(ks)
-        slope = sum((x - mean_k) * (self.verify_s[x] - mean_t) for x in ks) / sum((x - mean_k) ** 2 for x in ks)
-        return max(mean_t + slope * (k - mean_k), 1e-9)
-
-    def tokens_per_second(self, k: int) -> float:
-        c = self.draft_s / self.verify_time(k)
-        return expected_speedup(self.alpha, c, k) / self.verify_time(k)
-
-    def update(self, accepted: int, tried: int, draft_step_s: float, verify_s: float):
-        if tried:
-            self.alpha = self._ema(self.alpha, accepted / tried)
-        self.draft_s = self._ema(self.draft_s, draft_step_s)
-        self.verify_s[self.k] = self._ema(self.verify_s.get(self.k), verify_s)
-        self.rounds += 1
-        if self.rounds % self.every == 0:
-            best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
-            self.k += (best > self.k) - (best < self.k)
+    def add(self, seconds: float) -> float:
+        """-> the reading as counted."""
+        self.count += 1
+        if self.value is None or seconds < self.value / 2:
+            self.value = seconds
+            return seconds
+        seconds = min(seconds, 2 * self.value)
+        self.value += (seconds - self.value) * (0.5 if seconds < self.value else 0.1)
+        return seconds
 
 
-def speculative_decode(model, drafter, histories, pos, k, verify_step, temperature=0.0, top_k=None, top_p=None,
-                       drafts=None):
+class DraftLength:
+    """--speculate_k auto: a round drafts while the draft is sure. After each draft step, each row's chance that all
+    its drafts so far are accepted is the product of their chances, each read off the draft's own probability of its
+    token by a calibration the rounds teach (judged drafts counted in bins of that probability); the round drafts one
+    more while those chances times the next draft's (learned the same way from the last one's probability), summed
+    over the rows, are worth at least `threshold`: the tokens a second the rounds give times what one more draft
+    costs (a draft step and a verify row, both measured).
+    That is the marginal rule for the most tokens a second, and it stops at the first draft the draft is unsure of. At
+    most k_max drafts a round. (The rounds: speculative_decode; the verify then covers only what was drafted.)"""
+
+    EDGES = (0.0, 0.2, 0.4, 0.55, 0.7, 0.8, 0.88, 0.94, 0.97, 0.99, 0.998, 1.0)  # bins of the draft's probability
+
+    def __init__(self, k_max=LONGEST_VERIFY - 1, decay=0.98, first=4):
+        self.k_max, self.decay, self.first = k_max, decay, first
+        # the prior: a draft of probability p is accepted with chance p (one of unknown probability: 1/2), worth two
+        # judged drafts a bin; and the draft after it, as likely as it
+        bins = len(self.EDGES) - 1 + LONGEST_VERIFY
+        self.judged, self.after_judged = [2.0] * bins, [2.0] * bins
+        self.accepted = [(a + b) for a, b in zip(self.EDGES, self.EDGES[1:])] + [1.0] * LONGEST_VERIFY
+        self.after_accepted = list(self.accepted)
+        self.step = Seconds()  # a draft step
+        self.verify = {}  # drafts -> Seconds of a verify of that many
+        self.emitted = [0.0, 0.0]  # decayed sums: tokens emitted, seconds (as counted)
+        self.threshold, self.chains, self.sure = None, None, []
+
+    def bin(self, sure: float | None, i: int) -> int:
+        """The bin of the i-th draft (from 0) of a round, of the draft's probability `sure`; None (unknown, as an
+        n-gram's): a bin by i, after those of the probabilities (an n-gram's drafts are accepted together or not)."""
+        if sure is None:
+            return len(self.EDGES) - 1 + min(i, LONGEST_VERIFY - 1)
+        return min(bisect.bisect_right(self.EDGES, sure) - 1, len(self.EDGES) - 2)
+
+    def chance(self, sure: float | None, i: int) -> float:
+        """The chance that the i-th draft of a round, of the draft's probability `sure`, is accepted where the ones
+        before it were."""
+        b = self.bin(sure, i)
+        return self.accepted[b] / self.judged[b]
+
+    def chance_after(self, sure: float | None, i: int) -> float:
+        """The chance that the draft after the i-th, which had the draft's probability `sure`, is accepted where the
+        ones before it were (a draft sure of one token is often sure of the next)."""
+        b = self.bin(sure, i)
+        return self.after_accepted[b] / self.after_judged[b]
+
+    def per_draft(self) -> float:
+        """What a verify costs a draft more: the slope of a line through the verifies' times by drafts (each length
+        weighing as often as it was seen, up to 8), at least 1% of a verify; 10% of one while a single length was
+        seen."""
+        points = [(n, t.value, min(t.count, 8)) for n, t in self.verify.items()]
+        w = sum(c for _, _, c in points)
+        mean_n, mean_t = (sum(n * c for n, _, c in points) / w, sum(t * c for _, t, c in points) / w)
+        spread = sum(c * (n - mean_n) ** 2 for n, _, c in points)
+        slope = sum(c * (n - mean_n) * (t - mean_t) for n, t, c in points) / spread if spread else 0.1 * mean_t
+        return max(slope, 0.01 * mean_t)
+
+    def start(self, running: list[bool], k_max: int) -> float | None:
+        """A round begins that may draft at most k_max, its rows running or not: -> the threshold it follows (None:
+        the first round, before anything was measured, drafts `first`), which a tensor-parallel run takes from rank 0
+        (set_threshold)."""
+        self.round_max, self.chains, self.sure = min(k_max, self.k_max), [float(r) for r in running], []
+        if not self.verify or self.step.value is None:
+            return None
+        return self.emitted[0] / self.emitted[1] * (self.step.value + self.per_draft())
+
+    def set_threshold(self, threshold):
+        self.threshold = threshold
+
+    def more(self, sure) -> bool:
+        """After a draft step whose drafts have probabilities `sure` [B] under the draft (None: unknown): whether to
+        draft another."""
+        values = [None] * len(self.chains) if sure is None else sure.tolist()
+        self.sure.append(values)
+        drafted = len(self.sure)
+        self.chains = [p * self.chance(s, drafted - 1) for p, s in zip(self.chains, values)]
+        if drafted >= self.round_max:
+            return False
+        if self.threshold is None:
+            return drafted < self.first
+        worth = sum(p * self.chance_after(s, drafted - 1) for p, s in zip(self.chains, values))
+        return worth >= self.threshold
+
+    def update(self, n_accepted, active, draft_s: float, verify_s: float):
+        """After the verify: each row's accepted count (of the round's drafts) and whether it was running, the round's
+        seconds drafting and verifying."""
+        d = self.decay
+        drafts = len(self.sure)
+        if drafts == 0:
+            return
+        for row, (n, running) in enumerate(zip(n_accepted, active)):
+            if not running:
+                continue
+            for i in range(min(n + 1, drafts)):  # drafts past the first rejected one were not judged
+                b = self.bin(self.sure[i][row], i)
+                self.judged[b], self.accepted[b] = d * self.judged[b] + 1, d * self.accepted[b] + (i < n)
+                if 0 < i:  # the draft before it, accepted: what its probability said of this one
+                    a = self.bin(self.sure[i - 1][row], i - 1)
+                    self.after_judged[a] = d * self.after_judged[a] + 1
+                    self.after_accepted[a] = d * self.after_accepted[a] + (i < n)
+        seconds = self.step.add(draft_s / drafts) * drafts + self.verify.setdefault(drafts, Seconds()).add(verify_s)
+        emitted = sum(min(n, drafts) + 1 for n, running in zip(n_accepted, active) if running)
+        self.emitted = [d * self.emitted[0] + emitted, d * self.emitted[1] + seconds]
+
+
+def speculative_decode(model, drafter, histories, pos, verify_step, temperature=0.0, top_k=None, top_p=None,
+                       drafts=4, pad_to=None, more=None):
     """One round for a batch. histories: host token lists per row (prompt + generated; the last one is not yet
-    in the target's cache, at position pos [B]). The drafter proposes `drafts` tokens (default k; fewer when no
-    row can emit more), padded to the verify's k by repeating the row's last token with a one-hot q: padding is
-    a deterministic draft like any other, so the output stays exact. Returns drafts [B, K], n accepted [B], next
-    token [B] and the (draft, verify) seconds, from which the draft cost ratio c is measured."""
+    in the target's cache, at position pos [B]). The drafter proposes at most `drafts` tokens (fewer where more()
+    stops it, or none), padded to pad_to (a fixed K's verify keeps one shape) by repeating the row's last token with
+    a one-hot q: padding is a deterministic draft like any other, so the output stays exact. The verify covers the
+    drafts and padding. Returns drafts [B, K], n accepted [B], next token [B], the (draft, verify) seconds, from
+    which the draft cost ratio c is measured, and how many were drafted (the rest is padding)."""
     t0 = time.perf_counter()
-    drafts = k if drafts is None else drafts
     last = torch.tensor([h[-1] for h in histories], device=pos.device)
     draft, q = last[:, None][:, :0], None  # none to draft: the verify sees only padding
     if drafts:
-        draft, q = drafter.propose(histories, pos, drafts, temperature, top_k, top_p)
-    if drafts < k:
-        pad = last[:, None].expand(-1, k - drafts)
+        draft, q = drafter.propose(histories, pos, drafts, temperature, top_k, top_p, more)
+    drafted = draft.shape[1]
+    k = max(pad_to or 0, drafted)
+    if draft.shape[1] < k:
+        pad = last[:, None].expand(-1, k - draft.shape[1])
         if q is not None:
             q = torch.cat([q, torch.nn.functional.one_hot(pad, q.shape[-1]).to(q.dtype)], 1)
         draft = torch.cat([draft, pad], 1)
@@ -293,4 +434,4 @@ def speculative_decode(model, drafter, histories, pos, k, verify_step, temperatu
     t1 = time.perf_counter()
     n, next_token = verify_step(model, tokens, input_pos, draft, q, u, noise, temperature, top_k, top_p)
     n.tolist()
-    return draft, n, next_token, (t1 - t0, time.perf_counter() - t1)
+    return draft, n, next_token, (t1 - t0, time.perf_counter() - t1), drafted

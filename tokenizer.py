@@ -50,6 +50,12 @@ class Tokenizer:
         # expect BOS unless the config says otherwise.
         self.add_bos = config.get("add_bos_token", self._sp is not None) and self.bos_id is not None
 
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """The ids of many texts, each alone and without BOS, on every core."""
+        if self._sp is not None:
+            return self._sp.EncodeAsIds(list(texts))
+        return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Token ids; bos=False: the text alone, without the BOS or other tokens the tokenizer adds (a chat template
         writes its own)."""

@@ -60,7 +60,8 @@ from checkpoint import InputError, OneLineErrors, read_model_args, resolve_check
 import backend  # noqa: E402
 import cpu  # noqa: E402
 from decoding import Steps, generate, plan, presize_caches  # noqa: E402
-from loading import DTYPES, apply_backend, check_device, load_model, make_drafter  # noqa: E402
+from loading import (DRAFT_VOCAB, DTYPES, apply_backend, check_device, draft_vocabulary, load_model,  # noqa: E402
+                     make_drafter)
 from model import ModelArgs, Transformer  # noqa: E402
 from cli import humaneval_tasks  # noqa: E402
 from speculative import ModelDrafter, expected_speedup  # noqa: E402
@@ -176,6 +177,15 @@ def draft_path(opts, drafter):
     return quantized_path(opts.draft_checkpoint, drafter[6:]) if "." in drafter else opts.draft_checkpoint
 
 
+def drafter_vocab(drafter):
+    """DRAFTER[:V] -> (drafter, the tokens its LM head keeps: V, all (None), or by default generate.py's for a draft
+    model and all for self, the target itself)."""
+    drafter, _, vocab = drafter.partition(":")
+    if vocab:
+        return drafter, None if vocab == "all" else int(vocab)
+    return drafter, None if drafter in ("self", "random", "ngram") else DRAFT_VOCAB
+
+
 def check_rows(rows, opts):
     """Every --rows entry is known and its files exist before anything loads."""
     if bool(opts.checkpoint_path) == bool(opts.random_weights):
@@ -210,6 +220,11 @@ def check_rows(rows, opts):
             if not spec.startswith("spec-"):
                 raise InputError(f"--rows {row}: after '+' comes a speculative row, spec-DRAFTER[-K]")
             drafter, _, k = spec[5:].partition("-")
+            drafter, _, vocab = drafter.partition(":")
+            if vocab and (drafter in ("random", "ngram") or not (vocab == "all" or vocab.isdigit() and int(vocab) >= 16
+                                                                 and int(vocab) % 16 == 0)):
+                raise InputError(f"--rows {row}: ':{vocab}' must be ':all' or a multiple of 16 (the draft's LM head "
+                                 "rows), after a model drafter")
             if drafter not in DRAFTERS:
                 raise InputError(f"--rows {row}: unknown drafter '{drafter}'; use self, random, ngram, draft, "
                                  "draft.MODE or MODE (MODE a quantize.py mode)")
@@ -235,11 +250,13 @@ def check_rows(rows, opts):
 
 
 def row_drafter(kind, opts, vocab_size, compiled):
+    kind, vocab = drafter_vocab(kind)
     if kind.startswith("draft") or kind in quantize.MODES or kind == "self":
         # a model of its own (never the target's object: a draft's cache is its own), shared by the rows it drafts
-        if f"drafter {kind}" not in LOADED:
-            LOADED[f"drafter {kind}"] = load_drafter_model(kind, opts)
-        return ModelDrafter(LOADED[f"drafter {kind}"], compile=compiled)
+        if f"drafter {kind}:{vocab}" not in LOADED:
+            LOADED[f"drafter {kind}:{vocab}"] = load_drafter_model(kind, opts, vocab)
+        model, vocabulary = LOADED[f"drafter {kind}:{vocab}"]
+        return ModelDrafter(model, compile=compiled, vocabulary=vocabulary)
     if kind == "ngram":
         return make_drafter("ngram")
     # random: a random-weight draft of the same vocabulary (--draft_config's shapes): almost nothing is accepted,
@@ -255,12 +272,22 @@ def row_drafter(kind, opts, vocab_size, compiled):
     return ModelDrafter(draft, compile=compiled)
 
 
-def load_drafter_model(kind, opts):
+def load_drafter_model(kind, opts, vocab):
+    """-> (the draft model, the token ids its LM head keeps or None)."""
     if kind.startswith("draft"):  # another model of the same vocabulary: --draft_checkpoint (or its quantized file)
-        return load_model(draft_path(opts, kind), opts.device, DTYPES[opts.dtype], backend=opts.backend)
+        vocabulary = draft_vocabulary(opts.draft_checkpoint, vocab)
+        model = load_model(draft_path(opts, kind), opts.device, DTYPES[opts.dtype], backend=opts.backend,
+                           head_rows=vocabulary)
+        return model, vocabulary
     # MODE: a quantized copy of the target, lossless speculation without a second model; self: the target itself,
-    # everything accepted (measures the overhead)
-    return load_target(opts, None if kind == "self" else kind)
+    # everything accepted (measures the overhead); random weights: every token
+    vocabulary = None if opts.random_weights else draft_vocabulary(opts.checkpoint_path, vocab)
+    mode = None if kind == "self" else kind
+    if opts.random_weights:
+        return load_target(opts, mode), None
+    path = quantized_path(opts.checkpoint_path, mode) if mode else opts.checkpoint_path
+    model = load_model(path, opts.device, DTYPES[opts.dtype], backend=opts.backend, head_rows=vocabulary)
+    return model, vocabulary
 
 
 def llama_cpp(gguf, texts, new_tokens):
@@ -320,7 +347,8 @@ class BusyProcess:
 
 
 def set_up(rows, opts, model, prompts, step_bytes):
-    """Per row: [name, bytes a step reads, warm-up seconds, run, whether compiled, the row its tokens must equal]."""
+    """Per row: [name, bytes a step reads, warm-up seconds, run, whether compiled, the row its tokens must equal,
+    bytes a draft step reads (0: no draft model)]."""
     by_target = {}  # the spec rows' K per target: its cache sized once for every row that shares it
     for row in rows:
         mode, drafter, k = split_row(row, opts.speculate_k) if row.startswith(("quant-", "spec-")) else (0, 0, 0)
@@ -332,14 +360,15 @@ def set_up(rows, opts, model, prompts, step_bytes):
                                        "auto" if "auto" in ks else max(ks)))
     setups, plain_rows = [], {}
     for row in rows:
-        row_bytes, compiled, target_row = step_bytes, True, False
+        row_bytes, compiled, target_row, draft_bytes = step_bytes, True, False, 0
         mode, drafter, k = split_row(row, opts.speculate_k) if row.startswith(("quant-", "spec-")) else (0, 0, 0)
         if drafter:  # spec-DRAFTER-K or quant-MODE+spec-DRAFTER-K
             compiled = not opts.eager_spec
             target = load_row_model(opts, mode)
             row_bytes = backend.report(target).step_bytes
-            warm, run = ours(target, prompts, opts.max_new_tokens, compiled,
-                             row_drafter(drafter, opts, model.args.vocab_size, compiled), k)
+            spec = row_drafter(drafter, opts, model.args.vocab_size, compiled)
+            draft_bytes = backend.report(spec.model).step_bytes if isinstance(spec, ModelDrafter) else 0
+            warm, run = ours(target, prompts, opts.max_new_tokens, compiled, spec, k)
             target_row = mode
         elif row.startswith("quant-"):
             quantized = load_row_model(opts, mode)
@@ -362,7 +391,7 @@ def set_up(rows, opts, model, prompts, step_bytes):
             plain_rows.setdefault(None, len(setups))
         name = {"compiled": "ours, compiled", "eager": "ours, eager", "hf": "transformers generate",
                 "hf-draft": "transformers assisted"}.get(row, row)
-        setups.append([name, row_bytes, warm, run, compiled, target_row])
+        setups.append([name, row_bytes, warm, run, compiled, target_row, draft_bytes])
         print(f"# set up {name} ({warm:.1f} s)", file=sys.stderr, flush=True)
     for setup in setups:  # the row whose tokens this row's must equal: its target's plain row, else the first
         setup[5] = plain_rows.get(setup[5]) if setup[5] is not False else 0
@@ -407,7 +436,7 @@ def print_table(setups, results, bandwidth, runs):
           f"{'compile s':>9} | same tokens |")
     print(f"|{'-' * (w + 2)}|{'-' * 9}|{'-' * 8}|{'-' * 13}|{'-' * 10}|{'-' * 13}|{'-' * 11}|-------------|")
     spec_lines = []
-    for j, (name, row_bytes, warm, _, compiled, baseline) in enumerate(setups):
+    for j, (name, row_bytes, warm, _, compiled, baseline, draft_bytes) in enumerate(setups):
         rate = statistics.median(rates[j])
         compile_s = f"{warm:.1f}" if compiled else "-"
         turns = [a / b for a, b in zip(rates[j], rates[0])]
@@ -416,20 +445,25 @@ def print_table(setups, results, bandwidth, runs):
               f"{same_tokens(results, j, runs, baseline):>11} |", flush=True)
         stats = [s for _, _, s in results[j]]
         if "alpha" in stats[0]:
-            alpha = statistics.mean(s["alpha"] for s in stats)
-            c = statistics.mean(s["draft_cost_ratio"] for s in stats)
-            k = statistics.mode(s["speculate_k"] for s in stats)
-            predicted = expected_speedup(alpha, c, k)
+            alpha, c, drafted, emitted, draft_ms = (statistics.mean(s[key] for s in stats) for key in (
+                "alpha", "draft_cost_ratio", "mean_drafted", "mean_accepted", "draft_step_s"))
+            k = stats[0]["speculate_k"]
+            predicted = expected_speedup(alpha, c, drafted)  # (for auto: at its mean length)
             # v: one verify round in plain decode steps of the first row
             verify_cost = statistics.mean(s["verify_s_per_round"] for s in stats) * first
-            spec_lines.append(f"| {name:<{w}} | {k:>2} | {alpha:.3f} | {c:.3f} | {verify_cost:5.2f} | "
-                              f"{rate / first:8.2f}x | {predicted:9.2f}x | {predicted / verify_cost:11.2f}x |")
+            draft_mb = f"{draft_bytes / 1e6:8.1f}" if draft_bytes else f"{'-':>8}"
+            spec_lines.append(f"| {name:<{w}} | {k:>4} | {drafted:7.2f} | {emitted:7.2f} | {alpha:.3f} | {draft_mb} | "
+                              f"{draft_ms * 1e3:8.2f} | {c:.3f} | {verify_cost:5.2f} | {rate / first:8.2f}x | "
+                              f"{predicted:9.2f}x | {predicted / verify_cost:11.2f}x |")
     if spec_lines:
-        print("\nspeculative rows against the first row, per emitted token. predicted: (1 - a^(K+1)) / "
-              "((1 - a)(K c + 1)) with c = draft step / verify time; v = verify time / plain step time; "
-              "last column = predicted / v")
-        print(f"| {'row':<{w}} |  K | alpha | c     | v     | measured | predicted | predicted/v |")
-        print(f"|{'-' * (w + 2)}|----|-------|-------|-------|----------|-----------|-------------|")
+        print("\nspeculative rows against the first row, per emitted token. drafted / emitted: tokens a round (mean);"
+              " draft MB / ms: what a draft step reads and takes; c = draft step / verify time; v = verify time / "
+              "plain step time; predicted: (1 - a^(K+1)) / ((1 - a)(K c + 1)) at K = drafted; last column = "
+              "predicted / v")
+        print(f"| {'row':<{w}} |    K | drafted | emitted | alpha | draft MB | draft ms | c     | v     | measured | "
+              "predicted | predicted/v |")
+        print(f"|{'-' * (w + 2)}|------|---------|---------|-------|----------|----------|-------|-------|----------|"
+              "-----------|-------------|")
         print("\n".join(spec_lines))
 
 
@@ -440,7 +474,7 @@ def report_contended(setups, idle, busy, runs):
     print(f"| {'row':<{w}} | {'idle tok/s':>10} | {'busy tok/s':>10} | {'busy / idle':>11} | {'threads busy':>12} | "
           f"{'vs first idle':>13} | {'vs first busy':>13} | same tokens |")
     print(f"|{'-' * (w + 2)}|{'-' * 12}|{'-' * 12}|{'-' * 13}|{'-' * 14}|{'-' * 15}|{'-' * 15}|-------------|")
-    for j, (name, *_, baseline) in enumerate(setups):
+    for j, (name, *_, baseline, _) in enumerate(setups):
         rate_idle, rate_busy = (statistics.median(r[0] for r in results[j]) for results in (idle, busy))
         threads = [s["threads"] for _, _, s in busy[j] if s.get("threads")]
         threads = f"{min(threads)}-{max(threads)}" if threads and min(threads) != max(threads) else \

@@ -62,7 +62,8 @@ def test_random_weights_need_no_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     tables = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")]
     assert [t[0].strip() for t in tables[:5]] == ["row", "ours, compiled", "quant-int4", "quant-mxfp6", "spec-self-2"]
-    assert "GB/s" in tables[0][2] and tables[6][2].strip() == "1.000"  # spec-self-2's alpha
+    alpha = [c.strip() for c in tables[5]].index("alpha")  # the speculative rows' table
+    assert "GB/s" in tables[0][2] and tables[6][alpha].strip() == "1.000"  # spec-self-2's alpha
     for args, words in ((["--random_weights", str(config), "--rows", "compiled,hf"], ("--rows hf", "real weights")),
                         (["--rows", "compiled"], ("--checkpoint_path or --random_weights",)),
                         (["--random_weights", str(config), "--rows", "spec-random-2", "--draft_config",

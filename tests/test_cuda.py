@@ -209,10 +209,12 @@ def test_compiled_decode_compiles_once():
     assert counters["inductor"]["cudagraph_skips"] == skips == 0, dict(counters["inductor"])
 
 
-def sampled_total_variation(device) -> tuple[float, float]:
+def sampled_total_variation(device, vocabulary=None, k=3) -> tuple[float, float]:
     """-> total-variation distance from the exact joint law of two tokens, of plain sampling and of speculative
-    sampling (on device). A tiny target (vocabulary 8) and an unrelated draft, temperature 1, top-k 6."""
-    V, k, temperature, top_k = 8, 3, 1.0, 6
+    sampling (on device). A tiny target (vocabulary 8) and an unrelated draft, temperature 1, top-k 6, K drafts a
+    round (or "auto"); vocabulary: the token ids the draft proposes among (its LM head trimmed to them: q is zero
+    outside them)."""
+    V, temperature, top_k = 8, 1.0, 6
     torch.manual_seed(0)
     target = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                    intermediate_size=64, max_seq_len=512)).eval()
@@ -222,6 +224,8 @@ def sampled_total_variation(device) -> tuple[float, float]:
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0, 0.5)
+    if vocabulary is not None:
+        quantize.keep_outputs(draft.output, vocabulary)
     target, draft = target.to(device), draft.to(device)
     prompt = [1, 5, 2]
     with torch.no_grad():
@@ -239,14 +243,14 @@ def sampled_total_variation(device) -> tuple[float, float]:
         torch.manual_seed(seed)
         counts = torch.zeros(V, V)
         for _ in range(8):
-            # k + 2 tokens: the first round drafts all k (a round drafts no more than a row can still emit)
-            rows, _ = generate(target, [prompt] * 5000, k + 2, Steps(), temperature=temperature, top_k=top_k,
+            # 5 tokens: the first round drafts all of a K of 3 (a round drafts no more than a row can still emit)
+            rows, _ = generate(target, [prompt] * 5000, 5, Steps(), temperature=temperature, top_k=top_k,
                                drafter=drafter, speculate_k=k)
             pairs = torch.tensor([r[:2] for r in rows])
             counts += torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).float()
         return counts / counts.sum()
 
-    spec = empirical(ModelDrafter(draft), 1)
+    spec = empirical(ModelDrafter(draft, vocabulary=None if vocabulary is None else vocabulary.to(device)), 1)
     plain = empirical(None, 2)
     return (0.5 * (plain - exact).abs().sum()).item(), (0.5 * (spec - exact).abs().sum()).item()
 

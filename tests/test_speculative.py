@@ -10,7 +10,7 @@ from cli import humaneval_tasks
 from decoding import Steps, generate
 from loading import load_model
 from model import ModelArgs, Transformer
-from speculative import logits_to_probs
+from speculative import DraftLength, logits_to_probs
 from speculative import ModelDrafter, NgramDrafter, accept, verify
 from test_cuda import sampled_total_variation
 from test_generate import assert_one_line_error, cli
@@ -151,12 +151,15 @@ def test_greedy_speculation_equals_plain_decoding_on_smollm2(real, drafter_kind)
     assert rows == plain
 
 
-def test_sampled_speculation_matches_the_target_distribution():
-    """Tiny random target (vocabulary 8) and an unrelated random draft, temperature 1, top-k 6. Statistic: the
-    total-variation distance between the empirical joint distribution of the first two generated tokens over
-    40k sequences and the exact joint computed from the target's own logits. Bound 0.03; sampling noise
-    alone gives about 0.015 (plain sampling is held to the same bound as a control)."""
-    plain, spec = sampled_total_variation("cpu")
+@pytest.mark.parametrize("vocabulary, k", [(None, 3), ([0, 2, 3, 5], 3), ([1, 2, 6, 7], "auto")])
+def test_sampled_speculation_matches_the_target_distribution(vocabulary, k):
+    """Tiny random target (vocabulary 8) and an unrelated random draft, temperature 1, top-k 6, K = 3 drafts a round
+    or auto (rounds of any length); the draft proposing among all 8 tokens or among 4 of them (its LM head trimmed:
+    q is zero at the other 4, which the target still emits). Statistic: the total-variation distance between the
+    empirical joint distribution of the first two generated tokens over 40k sequences and the exact joint computed
+    from the target's own logits. Bound 0.03; sampling noise alone gives about 0.015 (plain sampling is held to the
+    same bound as a control)."""
+    plain, spec = sampled_total_variation("cpu", None if vocabulary is None else torch.tensor(vocabulary), k)
     assert plain < 0.03
     assert spec < 0.03
 
@@ -188,25 +191,59 @@ def test_cli_speculation_metrics_and_vocabulary_check(tiny, tmp_path):
     assert result.stderr.strip().startswith("error:") and "tokenizer differs" in result.stderr
 
 
-def test_adaptive_k_converges_to_the_best_k_when_verify_cost_grows():
-    """Simulated rounds: alpha 0.8, draft step 0.1, verify 1 + 0.1 (K+1), so the best K is inside 1..8 and the
-    verify cost moves it. AdaptiveK, started at K = 1, must settle within one of the true best K."""
-    from speculative import AdaptiveK
+def simulated_text(length=30000, seed=0):
+    """A text as a draft meets it: per position the draft's probability of its token, 0.99 in runs of sure text and
+    0.3-0.9 in runs of unsure text (a run ends with chance 0.1 a token), and whether the target accepts it (with
+    chance p^2, not the draft's p: a calibration must learn that)."""
+    import random
+    rng, sure, text = random.Random(seed), True, []
+    for _ in range(length):
+        sure = sure != (rng.random() < 0.1)
+        p = 0.99 if sure else rng.uniform(0.3, 0.9)
+        text.append((p, rng.random() < p * p))
+    return text
 
-    def verify_time(k):
-        return 1 + 0.1 * (k + 1)
 
-    def tokens_per_second(k, alpha=0.8):
-        return (1 - alpha ** (k + 1)) / (1 - alpha) / (k * 0.1 + verify_time(k))
+def tokens_a_second(text, drafts):
+    """A policy's rate over the text, a draft step costing 0.1 and a verify 1 + 0.08 a draft: each round drafts
+    drafts(probabilities) tokens, where probabilities(i) is the draft's i-th's, and emits the accepted ones and one
+    more."""
+    pos = seconds = 0
+    while pos < len(text) - 20:
+        n = drafts(lambda i: text[pos + i][0])
+        accepted = next((i for i in range(n) if not text[pos + i][1]), n)
+        pos, seconds = pos + accepted + 1, seconds + 0.1 * n + 1 + 0.08 * n
+        yield n, accepted
+    return pos / seconds
 
-    best = max(range(1, 9), key=tokens_per_second)
-    assert 2 < best < 8
-    adaptive = AdaptiveK(k=1)
-    for _ in range(400):
-        k = adaptive.k
-        accepted = sum(0.8 ** i for i in range(1, k + 1))  # expected accepted drafts per round
-        adaptive.update(accepted, accepted / 0.8, 0.1, verify_time(k))
-    assert abs(adaptive.k - best) <= 1, (adaptive.k, best)
+
+def rate_of(text, drafts, on_round=lambda n, accepted: None):
+    rounds = tokens_a_second(text, drafts)
+    try:
+        while True:
+            on_round(*next(rounds))
+    except StopIteration as done:
+        return done.value
+
+
+def test_draft_length_beats_every_fixed_k_and_learns_the_drafts_worth():
+    """speculative.DraftLength (--speculate_k auto) on a simulated text (simulated_text): the rate it reaches is at
+    least 1.1x that of the best fixed K (1-16) on the same text, and its calibration learns that a draft of
+    probability 0.99 is accepted with chance ~0.98 and one of ~0.5 with ~0.25 (the prior said 0.99 and 0.5)."""
+    text = simulated_text()
+    best = max(rate_of(text, lambda probability, k=k: k) for k in range(1, 17))
+    length = DraftLength(k_max=16)
+
+    def drafts(probability):
+        length.set_threshold(length.start([True], 16))
+        n = 1
+        while length.more(torch.tensor([probability(n - 1)])):
+            n += 1
+        return n
+
+    rate = rate_of(text, drafts, lambda n, accepted: length.update([accepted], [True], 0.1 * n, 1 + 0.08 * n))
+    assert rate >= 1.1 * best, (rate, best)
+    assert abs(length.chance(0.99, 0) - 0.98) < 0.03 and abs(length.chance(0.5, 0) - 0.25) < 0.1
 
 
 @pytest.fixture(scope="module")
@@ -256,20 +293,56 @@ def test_a_full_precision_draft_runs_as_int4_written_once_and_gives_the_same_tok
     directory = draft_beside(smollm2[0], tmp_path)
     copy = directory / "model.int4.safetensors"
     said = []
-    drafter = make_drafter("model", directory, say=said.append)
+    drafter = make_drafter("model", directory, say=said.append, vocab=None)
     assert drafter.form == f"int4 ({copy})" and len(said) == 1 and f"writing its int4 copy {copy}" in said[0]
     assert map_metadata(copy)["written_for"] == "draft" and quantize.current_copy(copy, directory / "model.safetensors",
                                                                                   "int4")
     written = copy.stat().st_mtime_ns
-    again = make_drafter("model", directory, say=said.append)
+    again = make_drafter("model", directory, say=said.append, vocab=None)
     assert again.form == drafter.form and copy.stat().st_mtime_ns == written and len(said) == 1  # reused
-    as_is = make_drafter("model", directory, form="none")
+    as_is = make_drafter("model", directory, form="none", vocab=None)
     assert as_is.form == "bf16"
     for prompt, expected in zip(prompts, plain):
         for d in (drafter, as_is):
             rows, stats = generate(model, [prompt], 48, Steps(), drafter=d, speculate_k=7)
             assert rows[0] == expected
-    assert make_drafter("model", directory, backend="torch").form == "bf16"  # model.py's int4 dequantizes each call
+    assert make_drafter("model", directory, backend="torch", vocab=None).form == "bf16"  # (int4 dequantizes each call)
+
+
+def test_a_draft_proposes_among_its_likeliest_tokens_ranked_once_and_gives_the_same_tokens(real_bf16, smollm2,
+                                                                                          tmp_path):
+    """--draft_vocab N (the default 32768): the draft's LM head keeps the rows of its N likeliest tokens, ranked by
+    their counts over the standard library's source once and written beside it (draft_vocab.safetensors, with the
+    loader's mark and the tokenizer's hash), read by later loads; the end-of-generation tokens are among them. Greedy
+    output equals plain decoding however few tokens the draft proposes among (4096 of 49152 here), compiled or not,
+    at a fixed K and at auto. A file of that name the loader did not write is never replaced (the ranking is then
+    made in memory, said in one line)."""
+    from loading import VOCAB_FILE, draft_vocabulary, make_drafter
+    model, prompts, plain, _ = real_bf16
+    directory = draft_beside(smollm2[0], tmp_path)
+    said = []
+    ids = draft_vocabulary(directory, 4096, say=said.append)
+    ranking = directory / VOCAB_FILE
+    assert len(said) == 1 and str(ranking) in said[0] and "standard library" in said[0]
+    assert ids.shape == (4096,) and bool((ids[1:] > ids[:-1]).all())
+    tokenizer = Tokenizer(directory)
+    assert set(tokenizer.eos_ids) <= set(ids.tolist()) and " def" in [tokenizer.decode([i]) for i in ids.tolist()]
+    written = ranking.stat().st_mtime_ns
+    assert torch.equal(draft_vocabulary(directory, 4096, say=said.append), ids) and len(said) == 1
+    assert ranking.stat().st_mtime_ns == written  # read, not written again
+    assert draft_vocabulary(directory, 49152) is None  # all of it: the head as it is
+    for compiled, runs in ((False, [(4, 0), (4, 1), ("auto", 0), ("auto", 1)]), (True, [("auto", 1)])):
+        drafter = make_drafter("model", directory, compile=compiled, vocab=4096, form="int8")
+        assert drafter.form.endswith("proposing among 4096 of 49152 tokens")
+        assert drafter.model.output.out_features == 4096
+        for k, i in runs:
+            rows, stats = generate(model, [prompts[i]], 48, Steps(compile=compiled), drafter=drafter, speculate_k=k)
+            assert rows[0] == plain[i], (compiled, k, i)
+            assert stats["alpha"] > 0.3, stats
+    ranking.write_bytes(b"my notes")
+    said.clear()
+    assert torch.equal(draft_vocabulary(directory, 4096, say=said.append), ids)
+    assert ranking.read_bytes() == b"my notes" and len(said) == 1 and "in memory" in said[0]
 
 
 def map_metadata(path):
@@ -306,7 +379,8 @@ def test_the_draft_copy_never_replaces_a_users_file(smollm2, tmp_path):
 
 def test_draft_quantize_flag(tiny, tmp_path):
     """The form a draft ran in is in --json; a draft int4 does not fit (its groups, its 16s) runs as it is under auto, and asked
-    for int4 it is one line; the flag without a draft model, or of an unknown form, is one line."""
+    for int4 it is one line; the flag without a draft model, or of an unknown form, is one line; so are --draft_vocab's
+    (the form says how many tokens the draft proposes among)."""
     from loading import quantize_fits
     ckpt, _ = tiny("llama_gqa_tied")
     draft = draft_beside(ckpt, tmp_path)
@@ -318,6 +392,11 @@ def test_draft_quantize_flag(tiny, tmp_path):
     assert_one_line_error(cli("--checkpoint_path", ckpt, "--draft_quantize", "int4", "--prompt", "ab"),
                           "--draft_quantize applies to a draft model")
     assert_one_line_error(cli(*args, "--draft_quantize", "int3"), "--draft_quantize int3: unknown")
+    among = json.loads(cli(*args, "--draft_vocab", "64").stdout)  # (the tiny model's 256 tokens, ranked once)
+    assert among["draft_form"].endswith("proposing among 64 of 256 tokens"), among["draft_form"]
+    assert_one_line_error(cli(*args, "--draft_vocab", "100"), "--draft_vocab: '100' is not 'all' or a multiple of 16")
+    assert_one_line_error(cli("--checkpoint_path", ckpt, "--draft_vocab", "64", "--prompt", "ab"),
+                          "--draft_vocab applies to a draft model")
     copy = draft / "model.int4.safetensors"
     assert_one_line_error(cli(*args[:3], copy, *args[4:], "--draft_quantize", "int8"), "is already int4")
     small = ModelArgs(vocab_size=250, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,

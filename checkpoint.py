@@ -87,11 +87,16 @@ def check_model_args(values: dict, path="config.json"):
             raise bad(name, "true or false")
     if values["family"] not in ("llama", "codegen"):
         raise InputError(f"{path}: family '{values['family']}' is not supported; use 'llama' or 'codegen'")
-    dim, n_heads, n_kv_heads = values["dim"], values["n_heads"], values["n_kv_heads"]
-    if dim % n_heads or n_heads % n_kv_heads:
+    if not isinstance(values["qk_norm"], bool):
+        raise bad("qk_norm", "true or false")
+    dim, n_heads, n_kv_heads, head_dim = values["dim"], values["n_heads"], values["n_kv_heads"], values["head_dim"]
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2
+                                 or head_dim % 2):
+        raise bad("head_dim", "a positive even integer (or absent: dim / n_heads)")
+    if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
         raise InputError(f"{path}: dim {dim}, n_heads {n_heads}, n_kv_heads {n_kv_heads} are inconsistent "
-                         "(dim % n_heads and n_heads % n_kv_heads must be 0)")
-    rotary_dim, head_dim = values["rotary_dim"], dim // n_heads
+                         "(dim % n_heads, where head_dim is absent, and n_heads % n_kv_heads must be 0)")
+    rotary_dim, head_dim = values["rotary_dim"], head_dim or dim // n_heads
     if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim < 2
                                    or rotary_dim % 2 or rotary_dim > head_dim):
         raise InputError(f"{path}: rotary_dim {rotary_dim!r} must be even and <= head dim {head_dim}")

@@ -8,8 +8,9 @@ imports, every product, attention and RMSNorm of a step runs on gpu_kernels.py's
 order over k for every row count, the weights decoded in registers (bf16 and int8 as the file has them; int4, int4k
 and MX codes in 32-bit words laid out at load: gpu_kernels.layout). A verify's row is a decode's by construction. model.py's ops rms_norm and attention get those kernels as their CUDA
 kernels (serve, for the process); each product module is replaced, by assignment, with a RowsLinear over the module's
-own tensors. Each kernel is first spot-checked against its reference on a few random rows (every row as it is alone,
-within backend.TOLERANCE of the reference); one that fails runs its reference, with one line saying why.
+own tensors. Each kernel is first checked against its reference (every row as it is alone; the ops at the model's
+own shapes over its whole context, backend.check_op; each product kind on a few random rows within
+backend.TOLERANCE); one that fails runs its reference, with one line saying why.
 
 --backend aten: no Triton kernels; int4 layers run on aten's tinygemm kernel (Int4Linear's on-disk layout is
 tinygemm's arithmetic, w = (q - 8) * scale + zero per group, so the codes are repacked once at load) and the rest on
@@ -55,12 +56,12 @@ class RowsLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def rows_attention(q, k, v, input_pos, scale):
+def rows_attention(q, k, v, visible, scale):
     """model.attention's CUDA kernel: a step's rows on the Triton kernel, a prompt's on the reference's SDPA."""
     import gpu_kernels
-    if input_pos.shape[-1] <= backend.LONGEST_VERIFY and q.dtype in (torch.bfloat16, torch.float32):
-        return gpu_kernels.rows_attention(q, k, v, input_pos, scale)
-    return model_py.attention(q, k, v, input_pos, scale)
+    if visible.shape[1] <= backend.LONGEST_VERIFY and q.dtype in (torch.bfloat16, torch.float32):
+        return gpu_kernels.rows_attention(q, k, v, visible, scale)
+    return model_py.attention(q, k, v, visible, scale)
 
 
 def rows_norm(x, weight, eps):
@@ -128,21 +129,8 @@ def serve_rows(transformer, device_type="CUDA") -> tuple[int, list[str]]:
             served += 1
         else:
             refused.append(f"{name} ({verdicts[kind]})")
-    attention = transformer.layers[0].attention
-    hd, kv, groups = transformer.args.head_dim, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads
-    q, k, v = randn(1, kv, groups, 5, hd), randn(1, kv, 40, hd), randn(1, kv, 40, hd)
-    positions = torch.arange(20, 25, device=weight.device)[None]
-
-    def attend(kernel):
-        return lambda a, b: kernel(q[:, :, :, a:b].reshape(1, kv, groups * (b - a), hd), k, v, positions[:, a:b],
-                                   hd ** -0.5).view(1, kv, groups, b - a, hd)
-    x, norm_weight = randn(1, 5, transformer.args.dim), randn(transformer.args.dim)
-
-    def norm(kernel):
-        return lambda a, b: kernel(x[:, a:b], norm_weight, 1e-5)
-    for op, kernel, reference in (("attention", attend(gpu_kernels.rows_attention), attend(model_py.attention)),
-                                  ("rms_norm", norm(gpu_kernels.rows_norm), norm(model_py.rms_norm))):
-        why = backend.spot_check(kernel, reference)
+    for op, kernel in (("attention", gpu_kernels.rows_attention), ("rms_norm", gpu_kernels.rows_norm)):
+        why = backend.check_op(transformer, op, kernel, exact_norm=False)
         if why is None:
             serve(op, True, device_type)
         else:
@@ -175,7 +163,8 @@ def exact_verify_tokens(model, most=backend.LONGEST_VERIFY) -> tuple[int, str]:
     def attend(n, first):  # query rows first .. first + n - 1, the last `most` positions: [1, kv, groups, n, hd]
         positions = context - most + torch.arange(first, first + n, device=weight.device)
         rows = q[:, :, :, first:first + n].reshape(1, kv, groups * n, hd)
-        return attention.attend(rows, k, v, positions[None]).view(1, kv, groups, n, hd)
+        visible = model_py.visible_slots(positions[None], context)
+        return attention.attend(rows, k, v, visible).view(1, kv, groups, n, hd)
     checks["layers.0.attention.attend"] = lambda n: (attend(n, 0), torch.cat([attend(1, i) for i in range(n)], 3))
     with torch.no_grad():
         for n in range(2, most + 1):

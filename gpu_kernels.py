@@ -11,9 +11,9 @@ a row alone does). The weights are decoded in registers, never copied dequantize
   partial sums added in slice order. Each weight is decoded as quantize.py's reference decodes it (to float32, then
   the input's dtype), and multiplied by tl.dot with float32 sums (bf16 operands on a GPU, float32 in the
   interpreter); the inputs are rounded beforehand as the reference rounds them (round_activations).
-- `rows_attention`: each query row over the cache slots its position sees, in blocks of BLOCK_S slots, in parts of
-  the cache fixed by its length (not by the number of rows), each with an online softmax in float32, the parts then
-  combined in order.
+- `rows_attention`: each query row over the cache slots model.py's glue says it sees, in blocks of BLOCK_S slots, in
+  parts of the cache fixed by its length (not by the number of rows), each with an online softmax in float32, the
+  parts then combined in order.
 - `rows_norm`: RMSNorm, one program a row, its sum of squares in one fixed order (PyTorch's own reduction picks its
   split by the number of rows).
 
@@ -169,25 +169,29 @@ def finish(acc, factors_ptr, out_ptr, rows, cols, M, N, FORMAT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, T, R, S, heads, scale, S_PART,
+def attention_kernel(q_ptr, k_ptr, v_ptr, visible_ptr, range_ptr, out_ptr, part_ptr, T, R, S, heads, scale, S_PART,
                      D: tl.constexpr, BLOCK_S: tl.constexpr, PARTS: tl.constexpr):
     r, h = tl.program_id(0), tl.program_id(1)
     b, part = tl.program_id(2) // PARTS, tl.program_id(2) % PARTS  # slots part * S_PART .. of the cache
-    pos = tl.load(pos_ptr + b * T + r % T)
+    seen_ptr = visible_ptr + (b * T + r % T) * S  # the slots this row's token sees, first .. last of them
+    first = tl.load(range_ptr + (b * T + r % T) * 2)
+    last = tl.load(range_ptr + (b * T + r % T) * 2 + 1)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + ((b * heads + h) * R + r) * D + d).to(tl.float32)
     cache = (b * heads + h) * S * D
     best = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([D], dtype=tl.float32)
-    for s0 in range(part * S_PART, tl.minimum(part * S_PART + S_PART, pos + 1), BLOCK_S):
+    start = tl.maximum(part * S_PART, first // BLOCK_S * BLOCK_S)
+    for s0 in range(start, tl.minimum(part * S_PART + S_PART, last + 1), BLOCK_S):
         slots = s0 + tl.arange(0, BLOCK_S)
-        seen = slots <= pos
+        seen = tl.load(seen_ptr + slots, mask=slots <= last, other=0) != 0
         k = tl.load(k_ptr + cache + slots[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
         score = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(score, 0))
-        p = tl.exp(score - new_best)
-        kept = tl.exp(best - new_best)
+        # (a block or a start that sees nothing: -inf minus -inf is no number, and it weighs nothing)
+        p = tl.where(seen, tl.exp(score - new_best), 0.0)
+        kept = tl.where(best > float("-inf"), tl.exp(best - new_best), 0.0)
         v = tl.load(v_ptr + cache + slots[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
         total = total * kept + tl.sum(p, 0)
         acc = acc * kept + tl.sum(p[:, None] * v, 0)
@@ -289,17 +293,21 @@ def k_parts(n, k, device, parts=None) -> tuple[int, int, int]:
     return triton.cdiv(steps, per_part), per_part * block_k, block_k
 
 
-def rows_attention(q, k, v, input_pos, scale=None, parts=None):
+def rows_attention(q, k, v, visible, scale=None, parts=None):
     """softmax(q k^T * scale) v (scale 1 / sqrt(D) by default) for q [B, H, R, D] (R = G * T query rows of a KV head,
-    row r at position input_pos[b, r % T]) over the cache k, v [B, H, S, D]: each row sees slots 0 .. its position."""
+    row r being token r % T) over the cache k, v [B, H, S, D]: each row over the slots visible [B, T, S] gives its
+    token."""
     b, h, r, d = q.shape
-    t, s = input_pos.shape[-1], k.shape[2]
+    t, s = visible.shape[1], k.shape[2]
     q = q.contiguous()
     out = torch.empty_like(q)
+    slots = torch.arange(s, device=q.device, dtype=torch.int32)
+    bounds = torch.stack([torch.where(visible, slots, s).amin(-1), torch.where(visible, slots, -1).amax(-1)], -1)
     parts, s_part = cache_parts(s, parts)
     partial = torch.empty(b * h * r, parts, d + 2, dtype=torch.float32, device=q.device) if parts > 1 else out
-    attention_kernel[(r, h, b * parts)](q, k.contiguous(), v.contiguous(), input_pos.contiguous(), out, partial, t, r,
-                                        s, h, d ** -0.5 if scale is None else scale, s_part, D=d, BLOCK_S=BLOCK_S,
+    attention_kernel[(r, h, b * parts)](q, k.contiguous(), v.contiguous(), visible.contiguous().view(torch.uint8),
+                                        bounds.int().contiguous(), out, partial, t, r, s, h,
+                                        d ** -0.5 if scale is None else scale, s_part, D=d, BLOCK_S=BLOCK_S,
                                         PARTS=parts)
     if parts > 1:
         attention_parts_kernel[(b * h * r,)](partial, out, D=d, PARTS=parts)

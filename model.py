@@ -1,9 +1,11 @@
 """Llama-family and CodeGen transformers with a static KV cache.
 
 One forward serves every use: `forward(tokens [B, T], input_pos [B, T])`, with T = 1 (decode), K + 1
-(speculative verify) or a whole prompt (prefill). Each batch row carries its own positions; a query at position p
-sees cache slots 0..p, so stale cache slots (padding, rejected draft tokens) are never attended and are simply
-overwritten later.
+(speculative verify) or a whole prompt (prefill). Each batch row carries its own positions, and writes the cache slots
+of those numbers unless `slots` says otherwise. What a query row sees of the cache is data the glue computes once a
+step (visible_slots: the slots up to its own, so stale slots of padding or rejected drafts are never attended and are
+simply overwritten later) and hands to the attention op: a fork's window, sinks or prefix mask is an edit there that
+every backend honors.
 
 Rotary embeddings use one convention (the first and second half of the rotated dims form the pairs).
 Checkpoints stored in the interleaved convention (GGUF, CodeGen) are permuted once at conversion; attention
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 
 @dataclass
 class ModelArgs:
-    """The model's shape and math. config.json must name every field except the last three below, whose absence
-    means their neutral value (no rope scaling, the whole head rotates, no q/k/v bias)."""
+    """The model's shape and math. config.json must name every field but those of OPTIONAL, whose absence means their
+    neutral value (no rope scaling, the whole head rotates, no q/k/v bias, heads of dim / n_heads, no q/k norm)."""
     vocab_size: int
     dim: int
     n_layers: int
@@ -42,16 +44,16 @@ class ModelArgs:
     rope_scaling: dict | None = None  # Llama-3 style: factor, low/high_freq_factor, original_max_position_embeddings
     rotary_dim: int | None = None  # None: the whole head dim rotates
     qkv_bias: bool = False
+    head_dim: int | None = None  # None: dim // n_heads (Qwen3's heads are wider: a field of its own)
+    qk_norm: bool = False  # each head's q and k RMS-normed before rotary (Qwen3)
 
-    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias")  # the fields a config.json may leave out
+    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias", "head_dim", "qk_norm")  # what a config.json may leave out
 
     def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
         if self.rotary_dim is None:
             self.rotary_dim = self.head_dim
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 # ---------------------------------------------------------------- the ops, defined by their references
@@ -69,12 +71,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x, weight.shape, weight, bias, eps).contiguous()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v over a static cache. q [B, H_kv, G * T, D]: the G query heads that share a KV head
-    folded into the rows, row r being token r % T at position input_pos[b, r % T]; k, v [B, H_kv, L, D], the whole
-    cache. A query at position p sees slots 0..p."""
-    slots = torch.arange(k.shape[2], device=q.device)
-    mask = (slots <= input_pos[:, None, :, None]).repeat(1, 1, q.shape[2] // input_pos.shape[1], 1)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the cache slots each row sees. q [B, H_kv, G * T, D]: the G query heads that share
+    a KV head folded into the rows, row r being token r % T; k, v [B, H_kv, L, D], the whole cache; visible [B, T, L]
+    bools: the slots token t sees (each row sees at least one)."""
+    mask = visible[:, None].repeat(1, 1, q.shape[2] // visible.shape[1], 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).contiguous()
 
 
@@ -85,7 +86,7 @@ torch.library.custom_op("fastdecode::rms_norm", rms_norm, mutates_args=()).regis
 torch.library.custom_op("fastdecode::layer_norm", layer_norm, mutates_args=()).register_fake(
     lambda x, weight, bias, eps: x.new_empty(x.shape))
 torch.library.custom_op("fastdecode::attention", attention, mutates_args=()).register_fake(
-    lambda q, k, v, input_pos, scale: q.new_empty(q.shape))
+    lambda q, k, v, visible, scale: q.new_empty(q.shape))
 
 
 # ---------------------------------------------------------------- the model
@@ -97,11 +98,11 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos, k, v):
-        # k, v: [B, T, H_kv, D]; row b writes its T entries at its own positions input_pos[b].
+    def update(self, slots, k, v):
+        # k, v: [B, T, H_kv, D]; row b writes its T entries at its own slots[b].
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        self.k_cache[rows, :, input_pos] = k
-        self.v_cache[rows, :, input_pos] = v
+        self.k_cache[rows, :, slots] = k
+        self.v_cache[rows, :, slots] = v
         return self.k_cache, self.v_cache
 
 
@@ -136,6 +137,11 @@ def apply_rotary(x, cos, sin, rotary_dim):
     if rotary_dim == x.shape[-1]:
         return rotated
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+
+
+def visible_slots(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """What each query row sees of a cache of n_slots: [B, T, n_slots] bools, the slots up to its own (causal)."""
+    return torch.arange(n_slots, device=slots.device) <= slots[..., None]
 
 
 def no_communication(x):
@@ -175,28 +181,33 @@ class Attention(nn.Module):
         hd = args.head_dim
         self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)  # q, k, v
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, args.norm_eps), RMSNorm(hd, args.norm_eps)
         self.kv_cache = None
         # Set by tensor parallelism to the heads held by this rank.
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
 
-    def forward(self, x, cos, sin, input_pos):
+    def forward(self, x, cos, sin, slots, visible):
         B, T, _ = x.shape
         hd, r = self.args.head_dim, self.args.rotary_dim
         qk, v = self.wqkv(x).view(B, T, -1, hd).split([self.n_heads + self.n_kv_heads, self.n_kv_heads], 2)
+        if self.args.qk_norm:
+            q, k = qk.split([self.n_heads, self.n_kv_heads], 2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], 2)
         # q's and k's heads rotate in one call: the same math in half the small ops (eager)
         q, k = apply_rotary(qk, cos, sin, r).split([self.n_heads, self.n_kv_heads], 2)
-        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, L, D]
+        k, v = self.kv_cache.update(slots, k, v)  # [B, H_kv, L, D]
         # Grouped-query attention without repeating the cache: the G query heads that share a KV head are
         # folded into the query-length axis, [B, H_kv, G * T, D].
         groups = self.n_heads // self.n_kv_heads
         q = q.transpose(1, 2).reshape(B, self.n_kv_heads, groups * T, hd)
-        y = self.attend(q, k, v, input_pos)
+        y = self.attend(q, k, v, visible)
         y = y.view(B, self.n_heads, T, hd).transpose(1, 2).reshape(B, T, self.n_heads * hd)
         return self.wo(y)
 
-    def attend(self, q, k, v, input_pos):
-        """softmax(q k^T / sqrt(D)) v over the cache slots each query row's position sees."""
-        return torch.ops.fastdecode.attention(q, k, v, input_pos, q.shape[-1] ** -0.5)
+    def attend(self, q, k, v, visible):
+        """softmax(q k^T / sqrt(D)) v over the cache slots each query row sees."""
+        return torch.ops.fastdecode.attention(q, k, v, visible, q.shape[-1] ** -0.5)
 
 
 class FeedForward(nn.Module):
@@ -237,11 +248,11 @@ class Block(nn.Module):
 
     # torch.compile traces one layer and runs its graph for every layer (a compile then costs about one layer's)
     @torch.compiler.nested_compile_region
-    def forward(self, x, cos, sin, input_pos):
+    def forward(self, x, cos, sin, slots, visible):
         if self.parallel:
             h = self.attention_norm(x)
-            return x + self.reduce(self.attention(h, cos, sin, input_pos) + self.feed_forward(h))
-        x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, input_pos))
+            return x + self.reduce(self.attention(h, cos, sin, slots, visible) + self.feed_forward(h))
+        x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, slots, visible))
         return x + self.reduce(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -283,13 +294,16 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, input_pos, logits_idx=None):
-        """tokens, input_pos: [B, T]. logits_idx [B, N] (optional): only those positions get logits."""
+    def forward(self, tokens, input_pos, logits_idx=None, slots=None):
+        """tokens, input_pos (rotary positions): [B, T]. logits_idx [B, N] (optional): only those positions get logits.
+        slots [B, T] (optional): the cache slots the tokens write, where not their positions."""
         cos = self.rope_cos[input_pos].unsqueeze(2)  # [B, T, 1, rotary_dim / 2]
         sin = self.rope_sin[input_pos].unsqueeze(2)
+        slots = input_pos if slots is None else slots
+        visible = visible_slots(slots, self.layers[0].attention.kv_cache.k_cache.shape[2])
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos)
+            x = layer(x, cos, sin, slots, visible)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
         return self.gather_logits(self.output(self.norm(x)))

@@ -4,15 +4,15 @@
                   # final dtype and device
 
 It builds the kernels for this CPU (kernels.py: once per source, flags, torch and CPU), then holds each kernel this
-model needs to its reference on a few random rows (spot_check: under a second; the tests hold every kernel to its
-reference at every row count). Those that pass serve: model.py's rms_norm and attention ops get their CPU kernel, for
+model needs to its reference: model.py's ops at the model's own shapes over its whole context (backend.check_op),
+each product's format on a few random rows (spot_check); under a second, and the tests hold every kernel to its
+reference at every row count. Those that pass serve: model.py's rms_norm and attention ops get their CPU kernel, for
 the process (serve), and each product module of a format that passed is replaced, by assignment, with a `Linear`
 holding its weight in this CPU's layout (few_rows::layout, from the file's tensors), whose forward is one call. What
 does not pass runs its reference, with one line saying why. The model's forward stays model.py's, eager or compiled:
 a fork's edit is Python that runs as written around the same ops.
 """
 import contextlib
-import functools
 import sys
 import time
 from collections import Counter
@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 import backend
-import model as model_py
 import mx
 import quantize
 from checkpoint import release_file_pages
@@ -117,42 +116,31 @@ def random_product(kernel, dtype):
 
 
 def spot_check(kernel, dtype) -> str | None:
-    """A kernel this CPU runs against its reference on a few random rows: every row as it is alone, bit for bit, and
-    within backend.TOLERANCE of the reference. -> None where it serves, else why not. Once per process and kernel."""
+    """A product's kernel this CPU runs against its reference on a few random rows: every row as it is alone, bit for
+    bit, and within backend.TOLERANCE of the reference. -> None where it serves, else why not. Once per process and
+    kernel."""
     if (kernel, dtype) in checks:
         return checks[kernel, dtype]
     g = torch.Generator().manual_seed(1)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
     n = 5  # rows: a verify of K = 4
     try:
-        if kernel[0] == "product":
-            reference = random_product(kernel, dtype)
-            served, x = Linear(reference, quantize.format_of(reference)), randn(1, n, reference.in_features)
-
-            def rows(a, b, product=served):
-                return product(x[:, a:b])
-            reference_rows = functools.partial(rows, product=reference)
-        elif kernel == "rms_norm":
-            x, weight = randn(1, n, 96) * 4, randn(96)
-
-            def rows(a, b, norm=torch.ops.few_rows.rms_norm):
-                return norm(x[:, a:b], weight, 1e-5)
-            reference_rows = functools.partial(rows, norm=model_py.rms_norm)
-        else:  # attention: 2 KV heads of 3 query heads each, over a cache of 40 slots
-            q, k, v = randn(1, 2, 3, n, 64), randn(1, 2, 40, 64), randn(1, 2, 40, 64)
-            positions = torch.arange(20, 20 + n)[None]
-
-            def rows(a, b, attend=torch.ops.few_rows.attention):
-                y = attend(q[:, :, :, a:b].reshape(1, 2, 3 * (b - a), 64), k, v, positions[:, a:b], 0.125)
-                return y.view(1, 2, 3, b - a, 64)
-            reference_rows = functools.partial(rows, attend=model_py.attention)
-        verdict = backend.spot_check(rows, reference_rows, n)
-    except RuntimeError as e:  # a kernel that refuses what it was given
-        verdict = str(e).strip().splitlines()[0][:160]
+        reference = random_product(kernel, dtype)
+        served, x = Linear(reference, quantize.format_of(reference)), torch.randn(1, n, reference.in_features,
+                                                                                   generator=g).to(dtype)
+        verdict = backend.spot_check(lambda a, b: served(x[:, a:b]), lambda a, b: reference(x[:, a:b]), n)
+    except Exception as e:  # noqa: BLE001 (a kernel that refuses what it was given, whatever it raises)
+        verdict = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else 'raised'}"
     checks[kernel, dtype] = verdict
     return verdict
+
+
+def op_check(transformer, op) -> str | None:
+    """few_rows.cpp's kernel of model.py's op held to the op's reference at this model's own shapes
+    (backend.check_op). Once per process and shapes."""
+    key = backend.op_key(transformer, op)
+    if key not in checks:
+        checks[key] = backend.check_op(transformer, op, getattr(torch.ops.few_rows, op))
+    return checks[key]
 
 
 def apply(transformer, mapped=None, phases=None) -> backend.Report:
@@ -180,10 +168,9 @@ def try_to_serve(transformer, phases, mapped) -> backend.Report:
     products = {name: m for name, m in transformer.named_modules() if quantize.format_of(m) is not None}
     refused = {}  # kernel: why
     for op in OPS:
-        why = spot_check(op, dtype)
-        if why is None:
-            serve(op, True)
-        else:
+        why = op_check(transformer, op)
+        serve(op, why is None)  # (refused for one model, the op runs its reference for every model in the process)
+        if why is not None:
             refused[f"model.py's {op}"] = why
     for kernel in sorted({product_kernel(m) for m in products.values()}, key=str):
         why = spot_check(kernel, dtype)

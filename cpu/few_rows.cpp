@@ -64,10 +64,10 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   return reference<decltype(rms_norm_op)>("fastdecode::rms_norm", x, weight, eps);
 }
 
-at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible,
                         double scale) {
-  if (attention_takes(q, k, v, positions)) return attention(q, k, v, positions, scale);
-  return reference<decltype(attention_op)>("fastdecode::attention", q, k, v, positions, scale);
+  if (attention_takes(q, k, v, visible)) return attention(q, k, v, visible, scale);
+  return reference<decltype(attention_op)>("fastdecode::attention", q, k, v, visible, scale);
 }
 
 // model.py's ops this library serves, by name, while serve(name, true) holds: the kernel at the CPU key, and a
@@ -101,7 +101,7 @@ TORCH_LIBRARY(few_rows, m) {
   m.def("linear(Tensor x, int layout, Tensor weight, Tensor? factors, Tensor? table, Tensor? bias, int outputs) -> "
         "Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
   m.def("serve(str op, bool on) -> bool", &serve);
   m.def("paths() -> str[]", &paths);
   m.def("amx(str mode) -> str", &amx);

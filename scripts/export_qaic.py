@@ -82,9 +82,8 @@ class ExplicitAttention(model_lib.Attention):
         explicit.__dict__.update(attention.__dict__)
         return explicit
 
-    def attend(self, q, k, v, input_pos):
-        slots = torch.arange(k.shape[2], device=q.device)
-        mask = (slots <= input_pos[:, None, :, None]).repeat(1, 1, q.shape[2] // input_pos.shape[1], 1)
+    def attend(self, q, k, v, visible):
+        mask = visible[:, None].repeat(1, 1, q.shape[2] // visible.shape[1], 1)
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
         return torch.where(mask, scores, -FP16_MAX).softmax(-1) @ v
 
@@ -102,9 +101,9 @@ def use_float16_safe_modules(model: Transformer):
                 setattr(parent, name, safe)
             elif type(child) is model_lib.Attention:
                 q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (4, 9, 9))
-                positions = torch.tensor([[0, 3, 5, 8], [1, 2, 3, 4]])
+                visible = model_lib.visible_slots(torch.tensor([[0, 3, 5, 8], [1, 2, 3, 4]]), 9)
                 explicit = ExplicitAttention.of(child)
-                check(child.attend(q, k, v, positions), explicit.attend(q, k, v, positions), "Attention.attend")
+                check(child.attend(q, k, v, visible), explicit.attend(q, k, v, visible), "Attention.attend")
                 setattr(parent, name, explicit)
             elif isinstance(child, (model_lib.RMSNorm, nn.LayerNorm, model_lib.Attention)):
                 print(f"warning: {type(child).__name__} (a subclass) is exported as written; nothing checks it for "
@@ -125,7 +124,7 @@ class RetainedStateKV(nn.Module):
         super().__init__()
         self.k_cache = self.v_cache = self.slots = self.is_padding = None  # set per call by QaicExport
 
-    def update(self, input_pos, k, v):
+    def update(self, slots, k, v):
         self.k_cache = self.scatter(self.k_cache, k)
         self.v_cache = self.scatter(self.v_cache, v)
         return self.k_cache, self.v_cache

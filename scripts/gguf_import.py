@@ -1,4 +1,4 @@
-"""Importing a GGUF file (llama, qwen2 architectures): its metadata as ModelArgs fields, its tensors dequantized one
+"""Importing a GGUF file (llama, qwen2, qwen3 architectures): its metadata as ModelArgs fields, its tensors dequantized one
 at a time as they are written (llama's q/k rows reordered to our rotary halves), its special tokens and chat
 template, and the tokenizer llama.cpp builds from its vocabulary, as a `tokenizers` Tokenizer.
 scripts/convert_checkpoint.py writes what `read_gguf` returns.
@@ -10,11 +10,12 @@ import torch
 from checkpoint import InputError
 from hf_import import interleaved_to_half
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_LAYER_NAMES = {
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
     "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
-    "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
+    "attn_norm": "attention_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "attention.q_norm",
+    "attn_k_norm": "attention.k_norm",
 }
 
 
@@ -161,8 +162,8 @@ def read_gguf(source: Path):
                 n_kv_heads=n_kv_heads, intermediate_size=field("feed_forward_length"),
                 norm_eps=field("attention.layer_norm_rms_epsilon"), rope_theta=field("rope.freq_base", 10000.0),
                 qkv_bias="blk.0.attn_q.bias" in names, tie_embeddings="output.weight" not in names,
-                max_seq_len=field("context_length"))
-    head_dim = args["dim"] // n_heads
+                max_seq_len=field("context_length"), qk_norm="blk.0.attn_q_norm.weight" in names)
+    head_dim = args["head_dim"] = gguf_value(reader, f"{arch}.attention.key_length", args["dim"] // n_heads)
     weights = {}
     for t in reader.tensors:
         if t.tensor_type.name not in ("F32", "F16") and t.tensor_type not in _type_traits:

@@ -17,16 +17,23 @@ def hf_config(args: ModelArgs):
                              layer_norm_epsilon=args.norm_eps, n_positions=args.max_seq_len, n_ctx=args.max_seq_len,
                              activation_function="gelu_new", tie_word_embeddings=False)
     rope = dict(args.rope_scaling or {"rope_type": "default"}, rope_theta=args.rope_theta)
+    if args.qk_norm:
+        from transformers import Qwen3Config
+        return Qwen3Config(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                           num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                           head_dim=args.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
+                           rope_parameters=rope, attention_bias=args.qkv_bias, tie_word_embeddings=args.tie_embeddings,
+                           max_position_embeddings=args.max_seq_len, use_sliding_window=False)
     if args.qkv_bias:  # Llama's attention_bias would add one to o_proj too; Qwen2 has q/k/v biases only
         from transformers import Qwen2Config
         return Qwen2Config(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
                            num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                           intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
+                           head_dim=args.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
                            rope_parameters=rope, tie_word_embeddings=args.tie_embeddings,
                            max_position_embeddings=args.max_seq_len, use_sliding_window=False)
     return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
                        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                       intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
+                       head_dim=args.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
                        rope_parameters=rope, attention_bias=args.qkv_bias, mlp_bias=False,
                        tie_word_embeddings=args.tie_embeddings, max_position_embeddings=args.max_seq_len)
 

@@ -1,5 +1,5 @@
-"""Importing a Hugging Face model directory (Llama, Mistral, Qwen2, CodeGen): its config.json as ModelArgs fields,
-its weights under our names (q/k rows of an interleaved rotary reordered to halves), its special tokens, tokenizer
+"""Importing a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, CodeGen): its config.json as ModelArgs
+fields, its weights under our names (q/k rows of an interleaved rotary reordered to halves), its special tokens, tokenizer
 files and chat template. scripts/convert_checkpoint.py writes what `read_hf` returns; hf_export.py is its inverse.
 """
 import json
@@ -10,13 +10,14 @@ import torch
 from chat import token_text
 from checkpoint import InputError, read_json_object
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 # Our name for each per-layer Hugging Face tensor of the Llama family.
 LLAMA_LAYER_NAMES = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
     "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
 }
 
 
@@ -53,6 +54,7 @@ def hf_model_args(config: dict, source) -> dict:
             intermediate_size=require(config, "intermediate_size", source),
             norm_eps=require(config, "rms_norm_eps", source, float, 1e-6), rope_theta=theta, rope_scaling=scaling,
             qkv_bias=kind == "qwen2" or require(config, "attention_bias", source, bool, False),
+            head_dim=require(config, "head_dim", source, int, None), qk_norm=kind == "qwen3",
             tie_embeddings=require(config, "tie_word_embeddings", source, bool, False),
             max_seq_len=require(config, "max_position_embeddings", source, int, 2048))
     if kind == "codegen":

@@ -77,6 +77,10 @@ TINY_CONFIGS = {
     "qwen2_qkv_bias": dict(kind="qwen2", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
                            max_position_embeddings=256),
+    # Qwen3: heads of 32 where dim / heads is 16, each head's q and k RMS-normed
+    "qwen3_head_dim": dict(kind="qwen3", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, intermediate_size=128, tie_word_embeddings=True,
+                           max_position_embeddings=256),
     "codegen_partial_rotary": dict(kind="codegen", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                    n_positions=256, n_ctx=256),
     # Tensor parallelism at world size 2 and 3: heads, MLP and MX blocks (32) split at both. The vocabulary
@@ -92,7 +96,7 @@ TINY_CONFIGS = {
 
 def tiny_hf_model(name: str):
     from transformers import (CodeGenConfig, CodeGenForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
     cfg = dict(TINY_CONFIGS[name])
     kind = cfg.pop("kind")
     torch.manual_seed(0)
@@ -100,6 +104,8 @@ def tiny_hf_model(name: str):
         model = LlamaForCausalLM(LlamaConfig(**cfg, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2))
     elif kind == "qwen2":  # q/k/v projections with biases
         model = Qwen2ForCausalLM(Qwen2Config(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2))
     else:
         model = CodeGenForCausalLM(CodeGenConfig(**cfg, bos_token_id=1, eos_token_id=2))
     with torch.no_grad():  # random init is small; widen it so differences show up in the logits

@@ -167,23 +167,30 @@ def test_rms_norm_is_its_reference_and_each_row_is_computed_alone(kernels):
     assert torch.equal(kernels.rows_norm(x[:, ROWS - 1:], weight, 1e-5), together[:, ROWS - 1:])
 
 
-@pytest.mark.parametrize("parts", [None, 3])
-def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed_alone(kernels, parts):
+VISIBILITY = {"causal": lambda s, p: s <= p,  # what a row at position p sees of slot s: model.py's, and forks'
+              "sinks and a window": lambda s, p: (s <= p) & ((s < 4) | (s > p - 30)),
+              "a prefix every row sees": lambda s, p: (s <= p) | (s < 120)}
+
+
+@pytest.mark.parametrize("parts, visibility", [(None, "causal"), (3, "causal"), (3, "sinks and a window"),
+                                               (None, "a prefix every row sees")])  # (~20 s each, interpreted)
+def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed_alone(kernels, parts, visibility):
     """parts: the cache in that many parts (as a long cache is split), combined in order; a row whose position ends
-    before a part leaves it empty."""
+    before a part leaves it empty, and so does a block of slots it does not see (a window's, sinks' gap)."""
     g = torch.Generator().manual_seed(1)
     batch, kv, groups, hd, slots = 2, 2, 3, 32, 150  # 150 slots: three key blocks, the last one partial
     q = torch.randn(batch, kv, groups * ROWS, hd, generator=g).bfloat16()
     k, v = (torch.randn(batch, kv, slots, hd, generator=g).bfloat16() for _ in range(2))
     start = torch.tensor([[100], [5]])
+    positions = start + torch.arange(ROWS)
+    visible = VISIBILITY[visibility](torch.arange(slots), positions[..., None])
 
     def attend(first, n):  # query tokens first .. first + n - 1 of each group
         rows = q.view(batch, kv, groups, ROWS, hd)[:, :, :, first:first + n].reshape(batch, kv, groups * n, hd)
-        out = kernels.rows_attention(rows, k, v, start + first + torch.arange(n), parts=parts)
+        out = kernels.rows_attention(rows, k, v, visible[:, first:first + n], parts=parts)
         return out.view(batch, kv, groups, n, hd)
     together = attend(0, ROWS)
-    positions = start + torch.arange(ROWS)
-    seen = torch.arange(slots) <= positions[:, None, :, None]  # [B, 1, T, S]
+    seen = visible[:, None]  # [B, 1, T, S]
     scores = (q.double().view(batch, kv, groups, ROWS, hd) @ k.double()[:, :, None].transpose(-1, -2)) / hd ** 0.5
     scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
     want = scores.softmax(-1) @ v.double()[:, :, None]

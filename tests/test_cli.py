@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import backend
 import cli
 import cpu
 import generate
@@ -225,16 +226,18 @@ def test_ctrl_c_while_evaluating_is_one_line(smollm2):
 # ---------------------------------------------------------------- the backend's check at load
 
 def test_the_backend_s_check_at_load_is_a_spot_check_of_each_kernel_under_a_second(smollm2, monkeypatch):
-    """At load the CPU backend checks only what is cheap and real: each kernel the model needs (its products' format,
-    model.py's rms_norm and attention) against its reference on a few random rows, under a second, once per process
-    and kernel; a second model of the same kinds checks nothing again."""
+    """At load the CPU backend checks each kernel the model needs against its reference, under a second, once per
+    process and kernel: model.py's rms_norm and attention at the model's own shapes (attention over its whole context
+    of 8192 slots), its products' format on a few random rows; a second model of the same kinds checks nothing
+    again."""
     ckpt, _ = smollm2
     monkeypatch.setattr(cpu, "checks", {})
     first, again = {}, {}
-    load_model(ckpt, "cpu", torch.bfloat16, phases=first)
+    m = load_model(ckpt, "cpu", torch.bfloat16, phases=first)
     assert 0 < first["check"] < 1.0, first
-    assert set(cpu.checks) == {("rms_norm", torch.bfloat16), ("attention", torch.bfloat16),
+    assert set(cpu.checks) == {backend.op_key(m, "rms_norm"), backend.op_key(m, "attention"),
                                (("product", "plain", torch.bfloat16, None, True), torch.bfloat16)}, cpu.checks
+    assert backend.op_key(m, "attention")[-1] == m.args.max_seq_len == 8192
     load_model(ckpt, "cpu", torch.bfloat16, phases=again)
     assert again["check"] < 0.01, again
 

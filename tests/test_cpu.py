@@ -24,7 +24,7 @@ from conftest import ROOT, read_line
 from cpu import kernels
 from decoding import Steps, generate
 from loading import load_model
-from speculative import NgramDrafter
+from speculative import ModelDrafter, NgramDrafter
 from tokenizer import Tokenizer
 
 ROWS = backend.LONGEST_VERIFY  # a verify of K = 16
@@ -230,11 +230,22 @@ ATTENTION_GROUPS = (1, 3, 5)  # query heads per KV head: the kernel takes a toke
 
 
 def attention_inputs(dtype, groups, tokens=ROWS, cache=63):
-    """q [B, H_kv, G * T, D] (G query heads per KV head, T tokens), a cache of 63 slots and positions [B, T] up to
-    its last slot (whose keys the kernel reads 4 slots at a time: 60..62 are the ragged end)."""
+    """q [B, H_kv, G * T, D] (G query heads per KV head, T tokens), a cache of 63 slots and what the tokens see
+    [B, T, 63], causal up to positions reaching its last slot (whose keys the kernel reads 4 slots at a time: 60..62
+    are the ragged end)."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 3, n, 64, generator=g).to(dtype) for n in (groups * tokens, cache, cache))
-    return q, k, v, torch.stack([torch.arange(10, 10 + tokens), torch.arange(cache - tokens, cache)])
+    positions = torch.stack([torch.arange(10, 10 + tokens), torch.arange(cache - tokens, cache)])
+    return q, k, v, model.visible_slots(positions, cache)
+
+
+VISIBILITY = {  # what forks make a row see, as masks of slots s for a row at position p
+    "causal": lambda s, p: s <= p,
+    "window of 9": lambda s, p: (s <= p) & (s > p - 9),
+    "sinks (4 slots) and a window of 6": lambda s, p: (s <= p) & ((s < 4) | (s > p - 6)),
+    "prefix of 30 seen by every row": lambda s, p: (s <= p) | (s < 30),
+    "every other slot": lambda s, p: (s <= p) & (s % 2 == p % 2),
+}
 
 
 @pytest.mark.parametrize("groups", ATTENTION_GROUPS)
@@ -244,19 +255,38 @@ def test_attention_is_its_reference_and_attends_every_row_alone(dtype, groups):
     at most 2^-8 relative) of float64 attention over the slots each position sees, at a scale not sqrt(D)'s (a fork's
     scale is taken); each token's rows of a 17-token step bit for bit those it gives alone or among the first n."""
     assert kernels.load()
-    q, k, v, positions = attention_inputs(dtype, groups)
-    y = torch.ops.few_rows.attention(q, k, v, positions, 0.1)
-    expected = model.attention(q.double(), k.double(), v.double(), positions, 0.1)
+    q, k, v, visible = attention_inputs(dtype, groups)
+    y = torch.ops.few_rows.attention(q, k, v, visible, 0.1)
+    expected = model.attention(q.double(), k.double(), v.double(), visible, 0.1)
     bound = expected.abs() * (2 ** -8 if dtype == torch.bfloat16 else 0) + 1e-5
     assert ((y.double() - expected).abs() <= bound).all()
     by_token = y.view(2, 3, groups, ROWS, 64)
     q_by_token = q.view(2, 3, groups, ROWS, 64)
     for t in range(ROWS):
-        alone = torch.ops.few_rows.attention(q_by_token[:, :, :, t], k, v, positions[:, t:t + 1], 0.1)
+        alone = torch.ops.few_rows.attention(q_by_token[:, :, :, t], k, v, visible[:, t:t + 1], 0.1)
         assert torch.equal(alone, by_token[:, :, :, t]), t
         first = torch.ops.few_rows.attention(q_by_token[:, :, :, :t + 1].reshape(2, 3, -1, 64), k, v,
-                                             positions[:, :t + 1], 0.1)
+                                             visible[:, :t + 1], 0.1)
         assert torch.equal(first.view(2, 3, groups, t + 1, 64), by_token[:, :, :, :t + 1]), t
+
+
+@pytest.mark.parametrize("visibility", VISIBILITY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sees_what_the_mask_shows_it(dtype, visibility):
+    """What a row sees is data (model.visible_slots): windows, sinks, a prefix every row sees and gaps are each
+    softmax over exactly the slots shown, within rounding of float64, and each token's rows as they are alone."""
+    assert kernels.load()
+    q, k, v, _ = attention_inputs(dtype, 3)
+    positions = torch.stack([torch.arange(10, 10 + ROWS), torch.arange(63 - ROWS, 63)])
+    visible = VISIBILITY[visibility](torch.arange(63), positions[..., None])
+    y = torch.ops.few_rows.attention(q, k, v, visible, 0.1)
+    expected = model.attention(q.double(), k.double(), v.double(), visible, 0.1)
+    bound = expected.abs() * (2 ** -8 if dtype == torch.bfloat16 else 0) + 1e-5
+    assert ((y.double() - expected).abs() <= bound).all()
+    q_by_token, by_token = q.view(2, 3, 3, ROWS, 64), y.view(2, 3, 3, ROWS, 64)
+    for t in range(ROWS):
+        alone = torch.ops.few_rows.attention(q_by_token[:, :, :, t], k, v, visible[:, t:t + 1], 0.1)
+        assert torch.equal(alone, by_token[:, :, :, t]), t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -284,9 +314,9 @@ def test_the_kernels_hand_back_what_they_do_not_take():
     cpu.serve("rms_norm", True), cpu.serve("attention", True)
     x, weight = torch.randn(3, 64).half(), torch.randn(64).half()
     assert torch.equal(torch.ops.fastdecode.rms_norm(x, weight, 1e-5), model.rms_norm(x, weight, 1e-5))
-    q, k, v, positions = attention_inputs(torch.float32, 1, tokens=2)
+    q, k, v, visible = attention_inputs(torch.float32, 1, tokens=2)
     q, k, v = q[..., :40], k[..., :40], v[..., :40]
-    assert torch.equal(torch.ops.fastdecode.attention(q, k, v, positions, 0.2), model.attention(q, k, v, positions, 0.2))
+    assert torch.equal(torch.ops.fastdecode.attention(q, k, v, visible, 0.2), model.attention(q, k, v, visible, 0.2))
 
 
 def test_few_rows_ops_declare_no_default_arguments():
@@ -324,8 +354,8 @@ def kernel_outputs():
                 outputs[case, kernel.layout, rows, "bf16"] = kernel(x[:, :rows].bfloat16())
     for dtype in (torch.float32, torch.bfloat16):
         for groups in ATTENTION_GROUPS:
-            q, k, v, positions = attention_inputs(dtype, groups)
-            outputs["attention", str(dtype), groups] = torch.ops.few_rows.attention(q, k, v, positions, 0.125)
+            q, k, v, visible = attention_inputs(dtype, groups)
+            outputs["attention", str(dtype), groups] = torch.ops.few_rows.attention(q, k, v, visible, 0.125)
         x = (torch.randn(ROWS, 1000, generator=torch.Generator().manual_seed(2)) * 5).to(dtype)
         outputs["rms_norm", str(dtype)] = torch.ops.few_rows.rms_norm(x, torch.ones(1000, dtype=dtype), 1e-5)
     return outputs
@@ -525,8 +555,8 @@ def fork_activation(self, x):
     return self.w2(F.gelu(gate, approximate="tanh") * up)  # SiLU -> GELU
 
 
-def fork_attend(self, q, k, v, input_pos):
-    return torch.ops.fastdecode.attention(q, k, v, input_pos, 0.9 * q.shape[-1] ** -0.5)  # attention's scale
+def fork_attend(self, q, k, v, visible):
+    return torch.ops.fastdecode.attention(q, k, v, visible, 0.9 * q.shape[-1] ** -0.5)  # attention's scale
 
 
 shipped_rotary = model.apply_rotary
@@ -569,3 +599,89 @@ def test_a_fork_runs_compiled_around_the_kernels_takes_effect_and_stays_exact(sm
     spec = generate(bf16, [prompt], 48, steps, drafter=NgramDrafter(), speculate_k=4)[0][0]
     assert spec == plain
     torch._dynamo.reset()
+
+
+shipped_visible_slots = model.visible_slots
+
+
+def fork_window(slots, n_slots):
+    seen = shipped_visible_slots(slots, n_slots)
+    return seen & (torch.arange(n_slots, device=slots.device) > slots[..., None] - 16)  # the last 16 slots
+
+
+def fork_sinks(slots, n_slots):
+    s = torch.arange(n_slots, device=slots.device)  # the first 4 slots and the last 12
+    return shipped_visible_slots(slots, n_slots) & ((s < 4) | (s > slots[..., None] - 12))
+
+
+def fork_prefix(slots, n_slots):
+    return shipped_visible_slots(slots, n_slots) | (torch.arange(n_slots, device=slots.device) < 8)  # prefix LM
+
+
+VISIBILITY_FORKS = {"sliding window": fork_window, "attention sinks": fork_sinks, "prefix mask": fork_prefix}
+LONG_PROMPT = ("def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one "
+               "sorted list, keeping duplicates, in linear time.\"\"\"\n")
+
+
+@pytest.mark.parametrize("fork", VISIBILITY_FORKS)
+def test_a_fork_s_visibility_is_honored_by_every_path(smollm2, monkeypatch, capsys, fork):
+    """What a row sees edited into model.py's glue (a window, sinks, a prefix every row sees), over a prompt longer
+    than the window: served by the CPU kernels with no word on stderr, eager and compiled, its 24 greedy tokens in
+    float32 are --backend torch's and not the shipped model's; in bf16 (eager: the compiled verify's exactness is the
+    other forks' test), n-gram and draft-model speculation (K = 4) give its plain tokens."""
+    ckpt, _ = smollm2
+    prompt = Tokenizer(ckpt).encode(LONG_PROMPT)
+    assert len(prompt) > 30
+    shipped = generate(load_model(ckpt, "cpu", torch.float32), [prompt], 24, Steps())[0][0]
+    monkeypatch.setattr(model, "visible_slots", VISIBILITY_FORKS[fork])
+    torch._dynamo.reset()
+    capsys.readouterr()
+    forked = load_model(ckpt, "cpu", torch.float32)
+    assert capsys.readouterr().err == "" and backend.report(forked).fallback is None
+    assert {"rms_norm", "attention"} <= cpu.served_ops
+    eager = generate(forked, [prompt], 24, Steps())[0][0]
+    compiled = generate(forked, [prompt], 24, Steps(compile=True))[0][0]
+    with cpu.references():
+        reference = generate(load_model(ckpt, "cpu", torch.float32, backend="torch"), [prompt], 24, Steps())[0][0]
+    assert eager == compiled == reference
+    assert reference != shipped
+    bf16 = load_model(ckpt, "cpu", torch.bfloat16)
+    plain = generate(bf16, [prompt], 32, Steps())[0][0]
+    ngram = generate(bf16, [prompt], 32, Steps(), drafter=NgramDrafter(), speculate_k=4)[0][0]
+    drafted = generate(bf16, [prompt], 32, Steps(), drafter=ModelDrafter(load_model(ckpt, "cpu", torch.bfloat16)),
+                       speculate_k=4)[0][0]
+    assert ngram == plain and drafted == plain
+    torch._dynamo.reset()
+
+
+def test_the_load_time_check_refuses_an_op_one_step_off_or_raising_in_one_line(smollm2, monkeypatch, capsys):
+    """model.py's rms_norm edited so that one output is one bf16 step from the kernel's: refused (the kernel is built
+    to be exact), in one line, and the op runs its reference; a reference whose signature a fork changed (TypeError)
+    and a kernel that raises anything are refused likewise, and the model still loads."""
+    ckpt, _ = smollm2
+    shipped = model.rms_norm
+
+    def one_step_off(x, weight, eps):
+        y = shipped(x, weight, eps)
+        y.view(torch.int16).view(-1)[7] += 1  # one output one step up
+        return y
+
+    def no_eps(x, weight):  # a fork's changed signature
+        return shipped(x, weight, 1e-5)
+
+    def raising(*args):
+        raise ValueError("a kernel's bug")
+    cases = {"one step off": (model, "rms_norm", one_step_off, "rms_norm", "differ from model.py's rms_norm"),
+             "signature": (model, "rms_norm", no_eps, "rms_norm", "TypeError"),
+             "raises": (torch.ops.few_rows, "attention", raising, "attention", "ValueError: a kernel's bug")}
+    for case, (owner, name, function, op, why) in cases.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu, "checks", {})
+            patch.setattr(owner, name, function)
+            capsys.readouterr()
+            loaded = load_model(ckpt, "cpu", torch.bfloat16)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"model.py's {op}" in err[0] and why in err[0], (case, err)
+            assert op not in cpu.served_ops and why in backend.report(loaded).fallback, case
+    load_model(ckpt, "cpu", torch.bfloat16)
+    assert {"rms_norm", "attention"} <= cpu.served_ops

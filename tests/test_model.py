@@ -11,7 +11,8 @@ from loading import load_model
 TOL = 1e-4  # fp32 max abs logit difference allowed against transformers
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "llama3_rope_scaling", "qwen2_qkv_bias", "codegen_partial_rotary"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "llama3_rope_scaling", "qwen2_qkv_bias", "qwen3_head_dim",
+                                  "codegen_partial_rotary"])
 def test_logits_match_transformers_prefill_and_16_decode_steps(tiny, name, references):
     ckpt, hf = tiny(name)
     model = load_model(ckpt, "cpu", torch.float32, backend="torch")
@@ -31,7 +32,7 @@ def test_logits_match_transformers_prefill_and_16_decode_steps(tiny, name, refer
             assert (ours - ref.logits).abs().max().item() < TOL, f"decode step {step}"
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2_qkv_bias"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2_qkv_bias", "qwen3_head_dim"])
 def test_bf16_logits_stay_as_close_to_fp32_as_transformers_in_bf16(tiny, name, references):
     """In bf16, model.py and transformers round differently; model.py's logits must be no further from the fp32
     logits than transformers' own bf16 logits are (x1.5, + 0.005), and within 0.03 of them, at prefill and 16 decode

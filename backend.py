@@ -66,7 +66,12 @@ def spot_check(rows, reference_rows, n=5, close=within_tolerance) -> str | None:
                 return "its rows differ from the same rows computed alone"
             return close(reference_rows(0, n), together)
     except Exception as e:  # noqa: BLE001 (whatever a kernel or an edited reference raises refuses it)
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else 'raised'}"
+        return refusal(e)
+
+
+def refusal(e: Exception) -> str:
+    """An exception as a check's why: its type and its first line."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else 'raised'}"
 
 
 def op_key(model, op: str) -> tuple:

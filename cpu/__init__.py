@@ -129,7 +129,7 @@ def spot_check(kernel, dtype) -> str | None:
                                                                                    generator=g).to(dtype)
         verdict = backend.spot_check(lambda a, b: served(x[:, a:b]), lambda a, b: reference(x[:, a:b]), n)
     except Exception as e:  # noqa: BLE001 (a kernel that refuses what it was given, whatever it raises)
-        verdict = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else 'raised'}"
+        verdict = backend.refusal(e)
     checks[kernel, dtype] = verdict
     return verdict
 

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+import model as model_py
+
 
 # Tokens a row of the longest verify anything runs or checks (K = 16 drafts + 1; a longer verify paid on no CPU or GPU
 # measured). A backend's report may lower it (max_verify_tokens): what it computes exactly.
@@ -80,7 +82,8 @@ def op_key(model, op: str) -> tuple:
     dtype = model.tok_embeddings.weight.dtype
     if op == "rms_norm":
         return op, dtype, args.dim, args.head_dim, args.norm_eps
-    return op, dtype, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads, args.head_dim, args.max_seq_len
+    return (op, dtype, attention.n_kv_heads, attention.n_heads // attention.n_kv_heads, args.head_dim, attention.scale,
+            args.max_seq_len)
 
 
 # half a step of an output of each dtype, relative
@@ -119,7 +122,6 @@ def check_op(model, op: str, kernel, rows: int = 5, exact_norm: bool = True) -> 
     spread over that context seeing what model.visible_slots gives them, within its own rounding of a float32
     reference (a step of the output, 2^-7 relative in bf16, plus float32 sums over the slots). -> None where it
     serves, else why not, in words."""
-    import model as model_py
     args, attention = model.args, model.layers[0].attention
     weight = model.tok_embeddings.weight
     dtype, device = weight.dtype, weight.device
@@ -137,7 +139,7 @@ def check_op(model, op: str, kernel, rows: int = 5, exact_norm: bool = True) -> 
     # one KV head's G query heads (the kernels compute each KV head alike); keys and values a random block of 4099
     # slots repeated, each repeat made distinct by a ramp (random numbers for the whole context took ~0.3 s)
     groups, hd, context = attention.n_heads // attention.n_kv_heads, args.head_dim, args.max_seq_len
-    scale = hd ** -0.5
+    scale = attention.scale
     positions = torch.linspace(0, context - 1, rows, device=device).long()[None]
     visible = model_py.visible_slots(positions, context)
     q = randn(1, 1, groups, rows, hd, scale=3.0)

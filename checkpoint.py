@@ -85,8 +85,8 @@ def check_model_args(values: dict, path="config.json"):
     for name in ("tie_embeddings", "qkv_bias"):
         if not isinstance(values[name], bool):
             raise bad(name, "true or false")
-    if values["family"] not in ("llama", "codegen"):
-        raise InputError(f"{path}: family '{values['family']}' is not supported; use 'llama' or 'codegen'")
+    if values["family"] not in ("llama", "gemma3", "codegen"):
+        raise InputError(f"{path}: family '{values['family']}' is not supported; use 'llama', 'gemma3' or 'codegen'")
     if not isinstance(values["qk_norm"], bool):
         raise bad("qk_norm", "true or false")
     dim, n_heads, n_kv_heads, head_dim = values["dim"], values["n_heads"], values["n_kv_heads"], values["head_dim"]
@@ -100,11 +100,26 @@ def check_model_args(values: dict, path="config.json"):
     if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim < 2
                                    or rotary_dim % 2 or rotary_dim > head_dim):
         raise InputError(f"{path}: rotary_dim {rotary_dim!r} must be even and <= head dim {head_dim}")
+    for name in ("query_pre_attn_scalar", "rope_local_theta"):
+        if values[name] is not None and (not is_number(values[name]) or values[name] <= 0):
+            raise bad(name, "a finite number > 0 (or absent)")
+    layer_types, window = values["layer_types"], values["sliding_window"]
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != values["n_layers"]
+                                    or not set(layer_types) <= {"full_attention", "sliding_attention"}):
+        raise bad("layer_types", f"a list of n_layers ({values['n_layers']}) 'full_attention' or 'sliding_attention' "
+                                 "(or absent: all full)")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise bad("sliding_window", "a positive integer (or absent)")
+    if layer_types and "sliding_attention" in layer_types and window is None:
+        raise InputError(f"{path}: layer_types names sliding layers but field 'sliding_window' is absent; fix the "
+                         "file or re-run scripts/convert_checkpoint.py")
     scaling = values["rope_scaling"]
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if not isinstance(scaling, dict) or kind not in (None, "default", "llama3"):
-            raise InputError(f"{path}: rope_scaling {scaling!r} is not supported (only 'llama3')")
+        if not isinstance(scaling, dict) or kind not in (None, "default", "llama3", "linear"):
+            raise InputError(f"{path}: rope_scaling {scaling!r} is not supported (only 'llama3' and 'linear')")
+        if kind == "linear" and not (is_number(scaling.get("factor")) and scaling["factor"] > 0):
+            raise InputError(f"{path}: rope_scaling of type linear needs a positive number factor; got {scaling!r}")
         if kind == "llama3" and not all(is_number(scaling.get(key)) and scaling[key] > 0 for key in LLAMA3_SCALING):
             raise InputError(f"{path}: rope_scaling of type llama3 needs positive numbers "
                              f"{', '.join(LLAMA3_SCALING)}; got {scaling!r}")

@@ -1,4 +1,4 @@
-"""Llama-family and CodeGen transformers with a static KV cache.
+"""Llama-family, Gemma 3 and CodeGen transformers with a static KV cache.
 
 One forward serves every use: `forward(tokens [B, T], input_pos [B, T])`, with T = 1 (decode), K + 1
 (speculative verify) or a whole prompt (prefill). Each batch row carries its own positions, and writes the cache slots
@@ -27,14 +27,16 @@ import torch.nn.functional as F
 @dataclass
 class ModelArgs:
     """The model's shape and math. config.json must name every field but those of OPTIONAL, whose absence means their
-    neutral value (no rope scaling, the whole head rotates, no q/k/v bias, heads of dim / n_heads, no q/k norm)."""
+    neutral value (no rope scaling, the whole head rotates, no q/k/v bias, heads of dim / n_heads, no q/k norm, scores
+    scaled by head_dim^-1/2, every layer full)."""
     vocab_size: int
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     intermediate_size: int
-    # "llama": RMSNorm, sequential residual, SwiGLU.  "codegen": LayerNorm, attention and MLP in parallel on
+    # "llama": RMSNorm, sequential residual, SwiGLU.  "gemma3": llama's, with tanh-GELU gating, each branch's output
+    # RMS-normed too and embeddings scaled by sqrt(dim).  "codegen": LayerNorm, attention and MLP in parallel on
     # one normed input, GELU MLP, biases, LM head with bias.
     family: str = "llama"
     norm_eps: float = 1e-5
@@ -45,15 +47,26 @@ class ModelArgs:
     rotary_dim: int | None = None  # None: the whole head dim rotates
     qkv_bias: bool = False
     head_dim: int | None = None  # None: dim // n_heads (Qwen3's heads are wider: a field of its own)
-    qk_norm: bool = False  # each head's q and k RMS-normed before rotary (Qwen3)
+    qk_norm: bool = False  # each head's q and k RMS-normed before rotary (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power (None: head_dim's)
+    # per layer "full_attention" or "sliding_attention" (None: all full); a sliding layer's token sees the
+    # sliding_window slots up to its own, and rotates with base rope_local_theta (None: rope_theta), unscaled
+    layer_types: list | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
 
-    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias", "head_dim", "qk_norm")  # what a config.json may leave out
+    OPTIONAL = ("rope_scaling", "rotary_dim", "qkv_bias", "head_dim", "qk_norm", "query_pre_attn_scalar",
+                "layer_types", "sliding_window", "rope_local_theta")  # what a config.json may leave out
 
     def __post_init__(self):
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
         if self.rotary_dim is None:
             self.rotary_dim = self.head_dim
+
+    def layer_kinds(self) -> list:
+        """Each layer's kind, "full_attention" or "sliding_attention"."""
+        return self.layer_types or ["full_attention"] * self.n_layers
 
 
 # ---------------------------------------------------------------- the ops, defined by their references
@@ -106,11 +119,14 @@ class KVCache(nn.Module):
         return self.k_cache, self.v_cache
 
 
-def rope_frequencies(args: ModelArgs, device) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim / 2], with Llama-3 scaling when configured."""
+def rope_frequencies(args: ModelArgs, device, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2], with Llama-3 or linear scaling when configured; local: a sliding layer's."""
     r = args.rotary_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r))
-    scaling = args.rope_scaling
+    theta = (args.rope_local_theta or args.rope_theta) if local else args.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r))
+    scaling = None if local else args.rope_scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "linear":
+        inv_freq = inv_freq / scaling["factor"]
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -123,9 +139,10 @@ def rope_frequencies(args: ModelArgs, device) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(args: ModelArgs, n_positions: int, device):
+def rope_tables(args: ModelArgs, n_positions: int, device, local: bool = False):
     """cos and sin of the rotary angles of positions 0..n_positions-1: [n_positions, rotary_dim / 2] in fp32."""
-    angles = torch.outer(torch.arange(n_positions, device=device, dtype=torch.float32), rope_frequencies(args, device))
+    angles = torch.outer(torch.arange(n_positions, device=device, dtype=torch.float32),
+                         rope_frequencies(args, device, local))
     return angles.cos(), angles.sin()
 
 
@@ -139,9 +156,13 @@ def apply_rotary(x, cos, sin, rotary_dim):
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
 
-def visible_slots(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """What each query row sees of a cache of n_slots: [B, T, n_slots] bools, the slots up to its own (causal)."""
-    return torch.arange(n_slots, device=slots.device) <= slots[..., None]
+def visible_slots(slots: torch.Tensor, n_slots: int, window: int | None = None) -> torch.Tensor:
+    """What each query row sees of a cache of n_slots: [B, T, n_slots] bools, the slots up to its own (causal), only
+    the last `window` of them where a window is given."""
+    cache, own = torch.arange(n_slots, device=slots.device), slots[..., None]
+    if window is None:
+        return cache <= own
+    return (cache <= own) & (cache > own - window)
 
 
 def no_communication(x):
@@ -183,6 +204,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(hd, args.norm_eps), RMSNorm(hd, args.norm_eps)
+        self.scale = (args.query_pre_attn_scalar or hd) ** -0.5
         self.kv_cache = None
         # Set by tensor parallelism to the heads held by this rank.
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
@@ -206,14 +228,15 @@ class Attention(nn.Module):
         return self.wo(y)
 
     def attend(self, q, k, v, visible):
-        """softmax(q k^T / sqrt(D)) v over the cache slots each query row sees."""
-        return torch.ops.fastdecode.attention(q, k, v, visible, q.shape[-1] ** -0.5)
+        """softmax(q k^T * scale) v over the cache slots each query row sees (scale: 1 / sqrt(D) unless configured)."""
+        return torch.ops.fastdecode.attention(q, k, v, visible, self.scale)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gated = args.family == "llama"
+        self.gated = args.family in ("llama", "gemma3")
+        self.gate = F.silu if args.family == "llama" else lambda x: F.gelu(x, approximate="tanh")
         if self.gated:
             self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate (w1) and up (w3)
         else:
@@ -223,7 +246,7 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if self.gated:
             gate, up = self.w13(x).chunk(2, -1)
-            return self.w2(F.silu(gate) * up)
+            return self.w2(self.gate(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -242,6 +265,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
         if not self.parallel:
             self.ffn_norm = make_norm(args)
+        self.sandwich = args.family == "gemma3"  # each branch's output normed before the residual adds it
+        if self.sandwich:
+            self.post_attention_norm, self.post_ffn_norm = make_norm(args), make_norm(args)
         # Tensor parallelism (tp.py) makes this an all-reduce: each rank's attention and MLP outputs are then
         # partial sums. CodeGen's parallel branches share one.
         self.reduce = no_communication
@@ -252,8 +278,10 @@ class Block(nn.Module):
         if self.parallel:
             h = self.attention_norm(x)
             return x + self.reduce(self.attention(h, cos, sin, slots, visible) + self.feed_forward(h))
-        x = x + self.reduce(self.attention(self.attention_norm(x), cos, sin, slots, visible))
-        return x + self.reduce(self.feed_forward(self.ffn_norm(x)))
+        h = self.reduce(self.attention(self.attention_norm(x), cos, sin, slots, visible))
+        x = x + (self.post_attention_norm(h) if self.sandwich else h)
+        h = self.reduce(self.feed_forward(self.ffn_norm(x)))
+        return x + (self.post_ffn_norm(h) if self.sandwich else h)
 
 
 class Transformer(nn.Module):
@@ -290,19 +318,35 @@ class Transformer(nn.Module):
                     attn.kv_cache.k_cache[:, :, :self.max_seq_len] = old.k_cache
                     attn.kv_cache.v_cache[:, :, :self.max_seq_len] = old.v_cache
             self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
-            cos, sin = rope_tables(self.args, max_seq_len, device)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.setup_rope(max_seq_len, device)
+
+    def setup_rope(self, n_positions: int, device):
+        """The rotary tables of positions 0..n_positions-1 (a sliding layer's too, where the model has them)."""
+        cos, sin = rope_tables(self.args, n_positions, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if "sliding_attention" in self.args.layer_kinds():
+            cos, sin = rope_tables(self.args, n_positions, device, local=True)
+            self.register_buffer("local_rope_cos", cos, persistent=False)
+            self.register_buffer("local_rope_sin", sin, persistent=False)
 
     def forward(self, tokens, input_pos, logits_idx=None, slots=None):
         """tokens, input_pos (rotary positions): [B, T]. logits_idx [B, N] (optional): only those positions get logits.
         slots [B, T] (optional): the cache slots the tokens write, where not their positions."""
-        cos = self.rope_cos[input_pos].unsqueeze(2)  # [B, T, 1, rotary_dim / 2]
-        sin = self.rope_sin[input_pos].unsqueeze(2)
         slots = input_pos if slots is None else slots
-        visible = visible_slots(slots, self.layers[0].attention.kv_cache.k_cache.shape[2])
+        n_slots = self.layers[0].attention.kv_cache.k_cache.shape[2]
+        # each kind of layer's rotation ([B, T, 1, rotary_dim / 2]) and what its rows see, once a step
+        seen = {"full_attention": (self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2),
+                                   visible_slots(slots, n_slots))}
+        if "sliding_attention" in self.args.layer_kinds():
+            seen["sliding_attention"] = (self.local_rope_cos[input_pos].unsqueeze(2),
+                                         self.local_rope_sin[input_pos].unsqueeze(2),
+                                         visible_slots(slots, n_slots, self.args.sliding_window))
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        if self.args.family == "gemma3":  # the scale rounded to the weights' dtype first, as Gemma's reference does
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=x.dtype, device=x.device)
+        for layer, kind in zip(self.layers, self.args.layer_kinds()):
+            cos, sin, visible = seen[kind]
             x = layer(x, cos, sin, slots, visible)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))

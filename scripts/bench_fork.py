@@ -33,9 +33,9 @@ from checkpoint import InputError, OneLineErrors, resolve_checkpoint  # noqa: E4
 # (name, the function edited, the text replaced, what replaces it)
 EDITS = {"as shipped": None,
          "RMSNorm eps": ("RMSNorm.forward", "self.weight, self.eps)", "self.weight, self.eps * 10)"),
-         "activation": ("FeedForward.forward", "F.silu(gate)", "F.gelu(gate, approximate=\"tanh\")"),
+         "activation": ("FeedForward.forward", "self.gate(gate)", "F.gelu(gate, approximate=\"tanh\")"),
          "rotary": ("apply_rotary", "x1 * cos - x2 * sin, x2 * cos + x1 * sin", "x1 * cos + x2 * sin, x2 * cos - x1 * sin"),
-         "attention scale": ("Attention.attend", "q.shape[-1] ** -0.5)", "0.9 * q.shape[-1] ** -0.5)")}
+         "attention scale": ("Attention.attend", "visible, self.scale)", "visible, 0.9 * self.scale)")}
 
 SERVER = """
 import inspect, json, sys, textwrap, time

@@ -84,7 +84,7 @@ class ExplicitAttention(model_lib.Attention):
 
     def attend(self, q, k, v, visible):
         mask = visible[:, None].repeat(1, 1, q.shape[2] // visible.shape[1], 1)
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
+        scores = (q * self.scale) @ k.transpose(-1, -2)
         return torch.where(mask, scores, -FP16_MAX).softmax(-1) @ v
 
 
@@ -214,9 +214,7 @@ def load_float_model(checkpoint_path, ctx_len: int) -> Transformer:
     check_checkpoint(checkpoint_path, ctx_len)
     model = load_model(checkpoint_path, "cpu", torch.float32, backend="torch")  # the graph is model.py
     # rotary tables for every position the model has, so a compile for a longer ctx_len indexes inside them
-    cos, sin = model_lib.rope_tables(model.args, model.args.max_seq_len, "cpu")
-    model.register_buffer("rope_cos", cos, persistent=False)
-    model.register_buffer("rope_sin", sin, persistent=False)
+    model.setup_rope(model.args.max_seq_len, "cpu")
     use_float16_safe_modules(model)
     return model
 

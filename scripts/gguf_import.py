@@ -1,4 +1,4 @@
-"""Importing a GGUF file (llama, qwen2, qwen3 architectures): its metadata as ModelArgs fields, its tensors dequantized one
+"""Importing a GGUF file (llama, qwen2, qwen3, gemma3 architectures): its metadata as ModelArgs fields, its tensors dequantized one
 at a time as they are written (llama's q/k rows reordered to our rotary halves), its special tokens and chat
 template, and the tokenizer llama.cpp builds from its vocabulary, as a `tokenizers` Tokenizer.
 scripts/convert_checkpoint.py writes what `read_gguf` returns.
@@ -10,12 +10,12 @@ import torch
 from checkpoint import InputError
 from hf_import import interleaved_to_half
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 GGUF_LAYER_NAMES = {
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
     "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
     "attn_norm": "attention_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "attention.q_norm",
-    "attn_k_norm": "attention.k_norm",
+    "attn_k_norm": "attention.k_norm", "post_attention_norm": "post_attention_norm", "post_ffw_norm": "post_ffn_norm",
 }
 
 
@@ -164,6 +164,14 @@ def read_gguf(source: Path):
                 qkv_bias="blk.0.attn_q.bias" in names, tie_embeddings="output.weight" not in names,
                 max_seq_len=field("context_length"), qk_norm="blk.0.attn_q_norm.weight" in names)
     head_dim = args["head_dim"] = gguf_value(reader, f"{arch}.attention.key_length", args["dim"] // n_heads)
+    if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 and its files leave out (its norms hold 1 + w already)
+        n_layers = args["n_layers"]
+        args.update(family="gemma3", sliding_window=field("attention.sliding_window"), rope_local_theta=10000.0,
+                    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)],
+                    # the 27B (62 layers) scales scores by dim / heads, the others by head_dim
+                    query_pre_attn_scalar=args["dim"] // n_heads if n_layers == 62 else head_dim)
+        if gguf_value(reader, f"{arch}.rope.scaling.type") == "linear":
+            args["rope_scaling"] = dict(rope_type="linear", factor=field("rope.scaling.factor"))
     weights = {}
     for t in reader.tensors:
         if t.tensor_type.name not in ("F32", "F16") and t.tensor_type not in _type_traits:

@@ -4,7 +4,7 @@ tests and scripts/bench.py run beside model.py.
 import torch
 
 import cli
-from hf_import import LLAMA_LAYER_NAMES, half_to_interleaved
+from hf_import import GEMMA3_LAYER_NAMES, LLAMA_LAYER_NAMES, half_to_interleaved
 from model import ModelArgs
 
 def hf_config(args: ModelArgs):
@@ -17,6 +17,18 @@ def hf_config(args: ModelArgs):
                              layer_norm_epsilon=args.norm_eps, n_positions=args.max_seq_len, n_ctx=args.max_seq_len,
                              activation_function="gelu_new", tie_word_embeddings=False)
     rope = dict(args.rope_scaling or {"rope_type": "default"}, rope_theta=args.rope_theta)
+    if args.family == "gemma3":
+        from transformers import Gemma3TextConfig
+        local = dict(rope_type="default", rope_theta=args.rope_local_theta or args.rope_theta)
+        return Gemma3TextConfig(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                                num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                                head_dim=args.head_dim, intermediate_size=args.intermediate_size,
+                                rms_norm_eps=args.norm_eps, rope_parameters=dict(full_attention=rope,
+                                                                                 sliding_attention=local),
+                                query_pre_attn_scalar=args.query_pre_attn_scalar or args.head_dim,
+                                layer_types=args.layer_kinds(), sliding_window=args.sliding_window or 4096,
+                                tie_word_embeddings=args.tie_embeddings, max_position_embeddings=args.max_seq_len,
+                                pad_token_id=None)
     if args.qk_norm:
         from transformers import Qwen3Config
         return Qwen3Config(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
@@ -31,6 +43,15 @@ def hf_config(args: ModelArgs):
                            head_dim=args.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
                            rope_parameters=rope, tie_word_embeddings=args.tie_embeddings,
                            max_position_embeddings=args.max_seq_len, use_sliding_window=False)
+    if "sliding_attention" in args.layer_kinds():  # Llama has no window; Mistral's covers every layer
+        if set(args.layer_kinds()) != {"sliding_attention"}:
+            raise cli.InputError("a Llama-family model windowed on some layers only has no transformers config here")
+        from transformers import MistralConfig
+        return MistralConfig(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                             num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                             head_dim=args.head_dim, intermediate_size=args.intermediate_size,
+                             rms_norm_eps=args.norm_eps, rope_parameters=rope, sliding_window=args.sliding_window,
+                             tie_word_embeddings=args.tie_embeddings, max_position_embeddings=args.max_seq_len)
     return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
                        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
                        head_dim=args.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=args.norm_eps,
@@ -52,8 +73,10 @@ def to_hf_model(model):
 def to_hf_state_dict(ours: dict, args: ModelArgs) -> dict:
     """The inverse of from_hf_state_dict: lets `transformers` run a converted checkpoint (bench, tests)."""
     hf = {}
-    if args.family == "llama":
-        inverse = {v: k for k, v in LLAMA_LAYER_NAMES.items()}
+    if args.family in ("llama", "gemma3"):
+        inverse = {v: k for k, v in (GEMMA3_LAYER_NAMES if args.family == "gemma3" else LLAMA_LAYER_NAMES).items()}
+        if args.family == "gemma3":  # the inverse of the import's fold: Gemma's RMSNorm scales by 1 + weight
+            ours = {name: t - 1 if name.endswith("norm.weight") else t for name, t in ours.items()}
         for name, t in ours.items():
             if name == "tok_embeddings.weight":
                 hf["model.embed_tokens.weight"] = t

@@ -1,4 +1,4 @@
-"""Importing a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, CodeGen): its config.json as ModelArgs
+"""Importing a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, Gemma 3, CodeGen): its config.json as ModelArgs
 fields, its weights under our names (q/k rows of an interleaved rotary reordered to halves), its special tokens, tokenizer
 files and chat template. scripts/convert_checkpoint.py writes what `read_hf` returns; hf_export.py is its inverse.
 """
@@ -19,6 +19,10 @@ LLAMA_LAYER_NAMES = {
     "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attention.q_norm",
     "self_attn.k_norm": "attention.k_norm",
 }
+# Gemma 3's: Llama's, with a norm after each branch (its post_attention_layernorm is that, not the MLP's input norm)
+GEMMA3_LAYER_NAMES = LLAMA_LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffn_norm"}
 
 
 REQUIRED = object()
@@ -46,17 +50,29 @@ def hf_model_args(config: dict, source) -> dict:
             raise InputError(f"{source}: field 'rope_scaling' is {rope!r}, not an object; fix the config")
         theta = require(config, "rope_theta", source, float, require(rope, "rope_theta", source, float, 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type")) == "llama3" else None
-        n_heads = require(config, "num_attention_heads", source)
+        n_heads, n_layers = require(config, "num_attention_heads", source), require(config, "num_hidden_layers", source)
+        # Mistral's window covers every layer; Qwen's, where it is on, the layers from max_window_layers
+        window = require(config, "sliding_window", source, int, None) \
+            if kind == "mistral" or config.get("use_sliding_window") else None
+        first = require(config, "max_window_layers", source, int, 0) if kind != "mistral" else 0
+        layer_types = None if window is None else config.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
         return dict(
             family="llama", vocab_size=require(config, "vocab_size", source),
-            dim=require(config, "hidden_size", source), n_layers=require(config, "num_hidden_layers", source),
+            dim=require(config, "hidden_size", source), n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=require(config, "num_key_value_heads", source, int, n_heads),
             intermediate_size=require(config, "intermediate_size", source),
             norm_eps=require(config, "rms_norm_eps", source, float, 1e-6), rope_theta=theta, rope_scaling=scaling,
             qkv_bias=kind == "qwen2" or require(config, "attention_bias", source, bool, False),
             head_dim=require(config, "head_dim", source, int, None), qk_norm=kind == "qwen3",
+            layer_types=layer_types, sliding_window=window,
             tie_embeddings=require(config, "tie_word_embeddings", source, bool, False),
             max_seq_len=require(config, "max_position_embeddings", source, int, 2048))
+    if kind == "gemma3_text":
+        return gemma3_model_args(config, source)
+    if kind == "gemma3":
+        raise InputError(f"{source}: model_type 'gemma3' is Gemma 3's image-and-text model; convert a text model "
+                         "(model_type gemma3_text: the 270M and 1B) instead")
     if kind == "codegen":
         dim = require(config, "n_embd", source)
         n_heads = require(config, "n_head", source)
@@ -67,7 +83,37 @@ def hf_model_args(config: dict, source) -> dict:
             norm_eps=require(config, "layer_norm_epsilon", source, float, 1e-5),
             rope_theta=10000.0, rotary_dim=require(config, "rotary_dim", source, int, None), tie_embeddings=False,
             max_seq_len=require(config, "n_positions", source, int, 2048))
-    raise InputError(f"{source}: model_type '{kind}' is not supported; supported: {', '.join(LLAMA_LIKE)}, codegen")
+    raise InputError(f"{source}: model_type '{kind}' is not supported; supported: {', '.join(LLAMA_LIKE)}, gemma3_text, codegen")
+
+
+def gemma3_model_args(config: dict, source) -> dict:
+    """Gemma 3's text model: sliding layers (every sixth full unless layer_types says), q/k norms, its own scale."""
+    n_layers, n_heads = require(config, "num_hidden_layers", source), require(config, "num_attention_heads", source)
+    rope = config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise InputError(f"{source}: field 'rope_parameters' is {rope!r}, not an object; fix the config")
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    scaling = config.get("rope_scaling") or full
+    if scaling.get("rope_type", scaling.get("type")) not in (None, "default", "linear"):
+        raise InputError(f"{source}: Gemma 3 rope scaling {scaling!r} is not supported (only linear)")
+    pattern = require(config, "sliding_window_pattern", source, int, 6)
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    return dict(
+        family="gemma3", vocab_size=require(config, "vocab_size", source), dim=require(config, "hidden_size", source),
+        n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=require(config, "num_key_value_heads", source, int, n_heads),
+        intermediate_size=require(config, "intermediate_size", source),
+        norm_eps=require(config, "rms_norm_eps", source, float, 1e-6),
+        rope_theta=require(config, "rope_theta", source, float, require(full, "rope_theta", source, float, 1e6)),
+        rope_local_theta=require(config, "rope_local_base_freq", source, float,
+                                 require(local, "rope_theta", source, float, 10000.0)),
+        rope_scaling=scaling if scaling.get("rope_type", scaling.get("type")) == "linear" else None,
+        head_dim=require(config, "head_dim", source, int, 256), qk_norm=True,
+        query_pre_attn_scalar=require(config, "query_pre_attn_scalar", source, float, 256),
+        layer_types=layer_types, sliding_window=require(config, "sliding_window", source, int, 4096),
+        tie_embeddings=require(config, "tie_word_embeddings", source, bool, True),
+        max_seq_len=require(config, "max_position_embeddings", source, int, 32768))
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int, rotary_dim: int) -> torch.Tensor:
@@ -98,7 +144,8 @@ def codegen_split_qkv(qkv: torch.Tensor, args: dict):
 
 def from_hf_state_dict(hf: dict, args: dict) -> dict:
     out = {}
-    if args["family"] == "llama":
+    if args["family"] in ("llama", "gemma3"):
+        layer_names = GEMMA3_LAYER_NAMES if args["family"] == "gemma3" else LLAMA_LAYER_NAMES
         for name, t in hf.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -112,11 +159,13 @@ def from_hf_state_dict(hf: dict, args: dict) -> dict:
             elif name.startswith("model.layers."):
                 i, rest = name[len("model.layers."):].split(".", 1)
                 module, kind = rest.rsplit(".", 1)
-                if module not in LLAMA_LAYER_NAMES:
+                if module not in layer_names:
                     raise InputError(f"unexpected tensor '{name}' in the source checkpoint")
-                out[f"layers.{i}.{LLAMA_LAYER_NAMES[module]}.{kind}"] = t
+                out[f"layers.{i}.{layer_names[module]}.{kind}"] = t
             else:
                 raise InputError(f"unexpected tensor '{name}' in the source checkpoint")
+        if args["family"] == "gemma3":  # Gemma's RMSNorm scales by 1 + weight: folded here, model.py's scales by weight
+            out = {name: t.float() + 1 if name.endswith("norm.weight") else t for name, t in out.items()}
         return out
     simple = {"attn.out_proj": "attention.wo", "mlp.fc_in": "feed_forward.w1", "mlp.fc_out": "feed_forward.w2",
               "ln_1": "attention_norm"}

@@ -81,6 +81,18 @@ TINY_CONFIGS = {
     "qwen3_head_dim": dict(kind="qwen3", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, intermediate_size=128, tie_word_embeddings=True,
                            max_position_embeddings=256),
+    # Mistral's sliding window (8 slots) on every layer
+    "mistral_sliding": dict(kind="mistral", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=128, sliding_window=8,
+                            max_position_embeddings=256),
+    # Gemma 3: two sliding layers of a window of 8 slots and one full layer, each with its rotary base, scores scaled
+    # by 24^-1/2 where head_dim is 32, tanh-GELU gating, norms after each branch, embeddings scaled by sqrt(dim)
+    "gemma3_sliding": dict(kind="gemma3", vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, intermediate_size=128, sliding_window=8,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           query_pre_attn_scalar=24, max_position_embeddings=256,
+                           rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+                                                sliding_attention=dict(rope_type="default", rope_theta=1e4))),
     "codegen_partial_rotary": dict(kind="codegen", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                    n_positions=256, n_ctx=256),
     # Tensor parallelism at world size 2 and 3: heads, MLP and MX blocks (32) split at both. The vocabulary
@@ -95,8 +107,9 @@ TINY_CONFIGS = {
 
 
 def tiny_hf_model(name: str):
-    from transformers import (CodeGenConfig, CodeGenForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (CodeGenConfig, CodeGenForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
     cfg = dict(TINY_CONFIGS[name])
     kind = cfg.pop("kind")
     torch.manual_seed(0)
@@ -104,6 +117,11 @@ def tiny_hf_model(name: str):
         model = LlamaForCausalLM(LlamaConfig(**cfg, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2))
     elif kind == "qwen2":  # q/k/v projections with biases
         model = Qwen2ForCausalLM(Qwen2Config(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**cfg, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2))
+    elif kind == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                                                   pad_token_id=0))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2))
     else:

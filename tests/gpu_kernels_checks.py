@@ -203,9 +203,10 @@ def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed
 @pytest.mark.parametrize("mode", [None, "int4"])
 def test_a_tiny_model_served_by_the_kernels_is_model_py_and_verifies_exactly(kernels, mode):
     """float32: the served model's logits within 1e-5 of model.py's (int4: 5e-3, where an input a rounding of its
-    8-bit activations apart moves them); in bf16, as steps run, gpu.exact_verify_tokens finds every row of a 17-row
+    8-bit activations apart moves them); in bf16, as steps run, gpu.exact_verify_tokens finds every row of a 6-row
     step equal to the row alone, bit for bit, through every product and attention (model.py's rms_norm and attention
-    ops on the Triton kernels, registered for CPU tensors here)."""
+    ops on the Triton kernels, registered for CPU tensors here; the tests above hold each kernel so at 1 to 17 rows,
+    and the interpreter takes ~0.1 s a kernel call)."""
     import gpu
     args = ModelArgs(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=192,
                      max_seq_len=64)
@@ -234,7 +235,7 @@ def test_a_tiny_model_served_by_the_kernels_is_model_py_and_verifies_exactly(ker
     bf16 = bf16.bfloat16()
     bf16.setup_caches(1, 64)
     gpu.serve_rows(bf16, "CPU")
-    assert gpu.exact_verify_tokens(bf16) == (ROWS, "")
+    assert gpu.exact_verify_tokens(bf16, most=6) == (6, "")
 
 
 def test_compiled_with_the_kernels_a_verify_s_rows_are_decode_steps_bit_for_bit(kernels):

@@ -654,6 +654,28 @@ def test_a_fork_s_visibility_is_honored_by_every_path(smollm2, monkeypatch, caps
     torch._dynamo.reset()
 
 
+def test_sliding_window_layers_are_served_compiled_and_exact(tiny):
+    """The tiny Gemma 3, two of its three layers seeing windows of 8 slots with their own rotary base, over a 40-token
+    prompt: served by the CPU kernels, eager and compiled, its 24 greedy tokens in float32 are --backend torch's; in
+    bf16, compiled, self-drafted speculation (K = 4 and auto) gives its plain tokens. (Mistral's window is the same
+    mask: test_model.py holds it to transformers.)"""
+    ckpt, _ = tiny("gemma3_sliding")
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with cpu.references():
+        reference = generate(load_model(ckpt, "cpu", torch.float32, backend="torch"), [prompt], 24, Steps())[0][0]
+    torch._dynamo.reset()
+    served = load_model(ckpt, "cpu", torch.float32)
+    assert backend.report(served).fallback is None and {"rms_norm", "attention"} <= cpu.served_ops
+    assert generate(served, [prompt], 24, Steps())[0][0] == reference
+    assert generate(served, [prompt], 24, Steps(compile=True))[0][0] == reference
+    bf16, steps = load_model(ckpt, "cpu", torch.bfloat16), Steps(compile=True)
+    plain = generate(bf16, [prompt], 32, steps)[0][0]
+    drafter = ModelDrafter(load_model(ckpt, "cpu", torch.bfloat16), compile=True)
+    for k in (4, "auto"):
+        assert generate(bf16, [prompt], 32, steps, drafter=drafter, speculate_k=k)[0][0] == plain, k
+    torch._dynamo.reset()
+
+
 def test_the_load_time_check_refuses_an_op_one_step_off_or_raising_in_one_line(smollm2, monkeypatch, capsys):
     """model.py's rms_norm edited so that one output is one bf16 step from the kernel's: refused (the kernel is built
     to be exact), in one line, and the op runs its reference; a reference whose signature a fork changed (TypeError)

@@ -5,7 +5,7 @@ fp32 (onnxruntime): greedy tokens of the speculative host loop equal PyTorch's p
 2 prompts) for real SmolLM2-135M drafted by itself and by a random-weight model of its vocabulary, and for a tiny
 random CodeGen; the graphs' logits match PyTorch within 1e-4 in prefill and decode.
 float16 (every float tensor and op in float16, onnx's ReferenceEvaluator): greedy tokens equal PyTorch's fp32 ones
-for 48 tokens on 3 HumanEval prompts (SmolLM2) and 3 random prompts (CodeGen), and the speculative loop's tokens
+for 48 tokens on 2 HumanEval prompts (SmolLM2) and 3 random prompts (CodeGen), and the speculative loop's tokens
 equal plain greedy; the same check on a graph with model.py's own norms fails (x^2 overflows float16).
 """
 import dataclasses
@@ -77,9 +77,18 @@ def codegen_exports(tiny, tmp_path_factory):
                 draft=export(ckpt, root / "draft", "draft", CODEGEN_CTX))
 
 
-def plain_greedy(ckpt, prompts):
+@pytest.fixture(scope="module")
+def gemma3_exports(tiny, tmp_path_factory):
+    """The tiny Gemma 3 (sliding layers of a window of 8 slots, norms after each branch)."""
+    ckpt, _ = tiny("gemma3_sliding")
+    root = tmp_path_factory.mktemp("qaic_gemma3")
+    return dict(ckpt=ckpt, target=export(ckpt, root / "target", "target", CODEGEN_CTX),
+                draft=export(ckpt, root / "draft", "draft", CODEGEN_CTX))
+
+
+def plain_greedy(ckpt, prompts, new=NEW):
     model = load_model(ckpt, "cpu", torch.float32)
-    return [generate(model, [p], NEW, Steps())[0][0] for p in prompts]
+    return [generate(model, [p], new, Steps())[0][0] for p in prompts]
 
 
 def smollm2_prompts(ckpt, n=2):
@@ -128,11 +137,12 @@ def test_onnx_generation_ends_at_an_end_of_generation_token(codegen_exports):
     assert tokens == cut and run_onnx.greedy(target, prompt, NEW, {end}) == cut
 
 
-@pytest.mark.parametrize("family", ["smollm2", "codegen"])
-def test_exported_logits_match_pytorch(family, smollm2_exports, codegen_exports):
+@pytest.mark.parametrize("family", ["smollm2", "codegen", "gemma3"])
+def test_exported_logits_match_pytorch(family, request):
     """Prefill in two chunks (the second padded with position -1), then one decode: target logits at every valid
-    position, draft logits at the last one, against model.py's forward in fp32."""
-    e = smollm2_exports if family == "smollm2" else codegen_exports
+    position, draft logits at the last one, against model.py's forward in fp32 (Gemma 3's sliding layers seeing
+    their window of 8 slots)."""
+    e = request.getfixturevalue(f"{family}_exports")
     model = load_model(e["ckpt"], "cpu", torch.float32)
     model.setup_caches(1, CODEGEN_CTX)
     tokens = torch.randint(3, model.args.vocab_size, (1, PREFILL + 8 + K + 1), generator=torch.Generator().manual_seed(1))
@@ -259,19 +269,19 @@ def test_padding_positions_write_nothing(codegen_exports):
 
 def float16_greedy_check(e, prompts):
     """On the float16 runtime, the speculative loop (target and draft in float16) gives PyTorch's fp32 greedy tokens:
-    each is the float16 target's argmax in a verify, so its greedy tokens too, which the first prompt checks alone
-    (the emulator takes most of a second a call on SmolLM2)."""
+    each is the float16 target's argmax in a verify, so its greedy tokens too, which the first prompt checks alone for
+    half as many tokens (the emulator takes most of a second a call on SmolLM2)."""
     target = run_onnx.ExportedModel(e["target"], "target", "float16")
     drafter = run_onnx.ExportedModel(e["draft"], "draft", "float16")
     for i, (prompt, want) in enumerate(zip(prompts, plain_greedy(e["ckpt"], prompts), strict=True)):
         if i == 0:
-            assert run_onnx.greedy(target, prompt, NEW) == want
+            assert run_onnx.greedy(target, prompt, NEW // 2) == want[:NEW // 2]
         tokens, _ = run_onnx.speculative_greedy(target, drafter, prompt, NEW)  # a new sequence overwrites the state
         assert tokens == want
 
 
 def test_smollm2_float16_greedy_equals_pytorch_float32(smollm2_exports):
-    float16_greedy_check(smollm2_exports, smollm2_prompts(smollm2_exports["ckpt"], 3))
+    float16_greedy_check(smollm2_exports, smollm2_prompts(smollm2_exports["ckpt"], 2))
 
 
 def test_codegen_float16_greedy_equals_pytorch_float32(codegen_exports):
@@ -294,7 +304,8 @@ def test_float16_check_fails_with_model_py_norms(smollm2, tmp_path, monkeypatch)
     monkeypatch.setattr(export_qaic, "Float16SafeNorm", ModelPyNorm)
     out = export(ckpt, tmp_path / "target", "target")
     fp32, fp16 = run_onnx.ExportedModel(out, "target", "onnxruntime"), run_onnx.ExportedModel(out, "target", "float16")
-    for prompt, want in zip(smollm2_prompts(ckpt, 3), plain_greedy(ckpt, smollm2_prompts(ckpt, 3)), strict=True):
+    prompts = smollm2_prompts(ckpt, 3)
+    for prompt, want in zip(prompts, plain_greedy(ckpt, prompts, 1), strict=True):
         assert int(fp32.prefill(prompt).argmax()) == want[0]
         assert int(fp16.prefill(prompt).argmax()) == 0 != want[0]
 

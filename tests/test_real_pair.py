@@ -66,13 +66,14 @@ def int4_draft(qwen_pair, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
-    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, a batch of 3 at K = 4, 16 and
-    auto (rounds that stop when the draft is unsure) and one prompt alone at K = 1-3 and 5-8. In bf16 the steps are
-    compiled (decode, verify, the draft's steps: as generate.py --compile runs them), in fp32 eager (K = 4, 7, auto). A verify's K + 1 rows run each kernel at that
-    many rows (test_cpu holds every kernel to one arithmetic at 1 to 17 rows) and the compiled glue between them,
-    elementwise, computes each row alike.
+    """The 1.5B drafted by the 0.5B, greedy: token for token the 1.5B's own plain output, a batch of 3 at K = 4 and
+    auto (rounds that stop when the draft is unsure) and one prompt alone at K = 1 and 8. In bf16 the steps are
+    compiled (decode, verify, the draft's steps: as generate.py --compile runs them), in fp32 eager (K = 4, auto). A
+    verify's K + 1 rows run each kernel at that many rows (test_cpu holds every kernel to one arithmetic at 1 to 17
+    rows, test_quantize and test_speculative every K on SmolLM2) and the compiled glue between them, elementwise,
+    computes each row alike.
     In bf16, the 0.5B in int4 as well (K = 4, a batch of 3), and in int4 proposing among its 32768 likeliest tokens
-    (K = 4 and auto): a quantized or trimmed draft is another model, which changes alpha, never the tokens. The other formats draft SmolLM2 (test_quantize, test_bench); test_quantizers holds
+    (auto): a quantized or trimmed draft is another model, which changes alpha, never the tokens. The other formats draft SmolLM2 (test_quantize, test_bench); test_quantizers holds
     their math."""
     target_dir, draft_dir = qwen_pair
     tokenizer = Tokenizer(target_dir)
@@ -83,8 +84,8 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
     steps = Steps(compile=compiled)
     drafter = ModelDrafter(draft, compile=compiled)
     plain, _ = generate(target, prompts, 40, steps)
-    for k in (1, 2, 3, 4, 5, 6, 7, 8, 16, "auto") if compiled else (4, 7, "auto"):
-        batch = prompts if k in (4, 16, "auto") else prompts[:1]
+    for k in (1, 4, 8, "auto") if compiled else (4, "auto"):
+        batch = prompts if k in (4, "auto") else prompts[:1]
         rows, stats = generate(target, batch, 40, steps, drafter=drafter, speculate_k=k)
         assert rows == plain[:len(batch)], k
         assert stats["alpha"] > 0.3, stats  # a real draft for a real target: most drafts accepted
@@ -98,18 +99,18 @@ def test_the_pair_speculates_exactly(qwen_pair, int4_draft, dtype):
         vocabulary = draft_vocabulary(int4_draft, 32768, say=lambda line: None)
         drafter = ModelDrafter(load_model(int4_draft, "cpu", dtype, head_rows=vocabulary), compile=True,
                                vocabulary=vocabulary)
-        for k in (4, "auto"):
-            rows, stats = generate(target, prompts, 40, steps, drafter=drafter, speculate_k=k)
-            assert rows == plain, ("int4 draft among 32768 tokens", k)
-            assert stats["alpha"] > 0.3, stats
+        rows, stats = generate(target, prompts, 40, steps, drafter=drafter, speculate_k="auto")
+        assert rows == plain, "int4 draft among 32768 tokens"
+        assert stats["alpha"] > 0.3, stats
     del target, drafter  # 14 GB in float32 with the backend's copies: gone before the next test loads
     gc.collect()
 
 
 def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path):
-    """The 1.5B quantized by quantize.py (int4, int4k, int8, mxfp6) is another target: compiled and drafted by the 0.5B
-    (int4), K = 4, 16 and auto with a batch of 3 and K = 1-3 and 5-8 with one prompt, its output is token for token that
-    quantized target's own plain output. (test_cpu holds every format's kernels to one arithmetic at 1 to 17 rows.)"""
+    """The 1.5B quantized by quantize.py (int4 and mxfp6) is another target: compiled and drafted by the 0.5B (int4),
+    K = 4 and auto with a batch of 3, its output is token for token that quantized target's own plain output.
+    (test_cpu holds every format's kernels to one arithmetic at 1 to 17 rows; test_quantize every format, int4k and
+    int8 too, at every K on SmolLM2.)"""
     import quantize
     target_dir, _ = qwen_pair
     tokenizer = Tokenizer(target_dir)
@@ -117,19 +118,17 @@ def test_quantized_targets_keep_their_own_output(qwen_pair, int4_draft, tmp_path
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).symlink_to(target_dir / name)
     drafter = ModelDrafter(load_model(int4_draft, "cpu", torch.bfloat16), compile=True)
-    for mode in ("int4", "int4k", "int8", "mxfp6"):
+    for mode in ("int4", "mxfp6"):
         path = quantize.quantize_checkpoint(target_dir, mode, output=tmp_path / f"model.{mode}.safetensors",
                                             progress=False)
         target = load_model(path, "cpu", torch.bfloat16)
         torch._dynamo.reset()  # each target its own graphs (Dynamo's recompile limit counts them all)
         steps = Steps(compile=True)
         plain, _ = generate(target, prompts, 32, steps)
-        for k in (4, 16, "auto"):
+        for k in (4, "auto"):
             rows, stats = generate(target, prompts, 32, steps, drafter=drafter, speculate_k=k)
             assert rows == plain, (mode, k)
             assert stats["alpha"] > 0.3, (mode, stats)
-        for k in (1, 2, 3, 5, 6, 7, 8):
-            assert generate(target, prompts[:1], 32, steps, drafter=drafter, speculate_k=k)[0] == plain[:1], (mode, k)
         del target
         path.unlink()
         gc.collect()

@@ -163,7 +163,7 @@ def test_bad_world_sizes_give_one_line_errors(smollm2, tiny):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
     assert errors == ["error: config.json n_heads 9 does not split over 2 ranks; launch with --nproc_per_node one "
-                      "of 1, 3, 9"]
+                      "of 1, 3, 9"], result.stderr[-3000:]
     # torchrun's own failure report follows it; its root cause names the same line, not "To enable traceback"
     root_cause = result.stderr[result.stderr.index("Root Cause"):]
     assert "traceback : error: config.json n_heads 9 does not split over 2 ranks" in root_cause, root_cause

@@ -215,7 +215,6 @@ def run(opts):
     checked = check_request(opts)
     ckpt_dir, tokenizer, prompt, chat, request = (checked.target.directory, checked.tokenizer, checked.prompt,
                                                   checked.chat, checked.plan)
-    torch.manual_seed(opts.seed)  # the same on every rank: tensor-parallel ranks draw the same tokens
     group, device = ranks.init_from_env(opts.device)
     rank0 = ranks.is_rank0()  # only rank 0 prints
     t = time.perf_counter()
@@ -253,6 +252,9 @@ def run(opts):
     if group is not None:
         held = [None] * dist.get_world_size(group)
         dist.all_gather_object(held, report(model).held_bytes, group=group)
+    # after the load, its checks and the warm-up, whatever random numbers they drew; the same on every rank:
+    # tensor-parallel ranks draw the same tokens
+    torch.manual_seed(opts.seed)
     if rank0 and not opts.json and not opts.verbose:
         print(f"loaded {ckpt_dir} in {load_s:.2f} s" + (f", the draft as {drafter.form} in {draft_load_s:.2f} s"
                                                            if draft_phases else "")
@@ -271,8 +273,9 @@ def run(opts):
     prompts = [prompt] * opts.batch_size
     for sample_idx in range(opts.num_samples):
         stream = TextStream(tokenizer, prompt) if opts.batch_size == 1 and not opts.json and rank0 else None
-        if stream:
-            print(tokenizer.decode(prompt), end="", flush=True)
+        if stream:  # the prompt as typed: without the BOS the tokenizer adds
+            print(tokenizer.decode(prompt[1:] if tokenizer.add_bos and prompt[:1] == [tokenizer.bos_id] else prompt),
+                  end="", flush=True)
         try:
             rows, stats = generate(prompts=prompts, max_new_tokens=opts.max_new_tokens, eos_ids=tokenizer.eos_ids,
                                    on_token=stream, request=request, **run_one)

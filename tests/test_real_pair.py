@@ -248,7 +248,7 @@ def test_an_unsupported_gguf_architecture_is_one_line(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(fetch_models.cli.InputError, match="architecture 'gemma' is not supported for GGUF "
-                                                          r"\(llama, qwen2, qwen3\)"):
+                                                          r"\(llama, qwen2, qwen3, gemma3\)"):
         convert(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -69,21 +69,23 @@ def smollm2_exports(smollm2, tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)  # 1.3 GB of graphs, no longer needed
 
 
-@pytest.fixture(scope="module")
-def codegen_exports(tiny, tmp_path_factory):
-    ckpt, _ = tiny("codegen_partial_rotary")
-    root = tmp_path_factory.mktemp("qaic_codegen")
+def tiny_exports(tiny, tmp_path_factory, name):
+    """A tiny model's target and draft graphs, at CODEGEN_CTX."""
+    ckpt, _ = tiny(name)
+    root = tmp_path_factory.mktemp(f"qaic_{name}")
     return dict(ckpt=ckpt, target=export(ckpt, root / "target", "target", CODEGEN_CTX),
                 draft=export(ckpt, root / "draft", "draft", CODEGEN_CTX))
+
+
+@pytest.fixture(scope="module")
+def codegen_exports(tiny, tmp_path_factory):
+    return tiny_exports(tiny, tmp_path_factory, "codegen_partial_rotary")
 
 
 @pytest.fixture(scope="module")
 def gemma3_exports(tiny, tmp_path_factory):
     """The tiny Gemma 3 (sliding layers of a window of 8 slots, norms after each branch)."""
-    ckpt, _ = tiny("gemma3_sliding")
-    root = tmp_path_factory.mktemp("qaic_gemma3")
-    return dict(ckpt=ckpt, target=export(ckpt, root / "target", "target", CODEGEN_CTX),
-                draft=export(ckpt, root / "draft", "draft", CODEGEN_CTX))
+    return tiny_exports(tiny, tmp_path_factory, "gemma3_sliding")
 
 
 def plain_greedy(ckpt, prompts, new=NEW):

@@ -8,6 +8,7 @@ Ctrl-C ends every rank with one line and exit status 130, a failing rank's one-l
 The backend follows --device: gloo on CPU, NCCL on CUDA (rank r uses cuda:LOCAL_RANK). Rank 0 alone prints, reads
 stdin and writes files; `from_rank0` gives every rank its host decisions.
 """
+import datetime
 import json
 import os
 import signal
@@ -100,13 +101,18 @@ def finish(exit_code: int = 0, wait: bool = True):
     """End a torchrun process: wait for every rank and tear the group down (not with `wait` off: after Ctrl-C the
     other ranks may be gone), and exit without interpreter teardown.
 
+    A failing torchrun rank with no group yet joins one first: every rank then leaves after rank 0 has printed.
     Not under torchrun, return and let the caller go on. Skipping teardown avoids a gloo race (torch 2.13,
     pytorch/pytorch#179291): a worker thread may still hold a finished work object when the interpreter
     finalizes, and the process aborts with "terminate called without an active exception" after all of its
     output was written, about 1 launch in 20 here even after destroy_process_group.
     """
     if not dist.is_initialized():
-        return
+        if not (exit_code and wait and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            return
+        # a check before the group formed failed on every rank: meet before exiting, or the launcher may stop
+        # rank 0 before it prints the error when another rank gets there first
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     if wait:
         dist.barrier()  # no rank tears its connections down while another still talks
         dist.destroy_process_group()

@@ -172,7 +172,7 @@ VISIBILITY = {"causal": lambda s, p: s <= p,  # what a row at position p sees of
               "a prefix every row sees": lambda s, p: (s <= p) | (s < 120)}
 
 
-@pytest.mark.parametrize("parts, visibility", [(None, "causal"), (3, "causal"), (3, "sinks and a window"),
+@pytest.mark.parametrize("parts, visibility", [(3, "causal"), (3, "sinks and a window"),
                                                (None, "a prefix every row sees")])  # (~20 s each, interpreted)
 def test_attention_is_softmax_over_the_slots_a_row_sees_and_each_row_is_computed_alone(kernels, parts, visibility):
     """parts: the cache in that many parts (as a long cache is split), combined in order; a row whose position ends

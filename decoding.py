@@ -96,9 +96,16 @@ def plan(args: ModelArgs, longest_prompt: int, max_new_tokens: int, speculate_k=
     backend: the cache a request gets does not depend on which backend serves it)."""
     if speculate_k is None:
         return Plan(0, cache_length(longest_prompt, max_new_tokens, args))
-    spare = 2 * ((LONGEST_VERIFY - 1 if speculate_k == "auto" else speculate_k) + 1)
-    return Plan(most_drafts(speculate_k, verify_limit), cache_length(longest_prompt, max_new_tokens, args, spare),
-                speculate_k)
+    return Plan(most_drafts(speculate_k, verify_limit),
+                cache_length(longest_prompt, max_new_tokens, args, spare_positions(speculate_k)), speculate_k)
+
+
+def spare_positions(speculate_k) -> int:
+    """The cache positions a request keeps past its prompt and max_new_tokens: 2 (K + 1) with a drafter (a verify
+    writes K + 1 past a row's newest; K at its largest for "auto"), none without (speculate_k None)."""
+    if speculate_k is None:
+        return 0
+    return 2 * ((LONGEST_VERIFY - 1 if speculate_k == "auto" else speculate_k) + 1)
 
 
 def presize_caches(model, batch_size, request: Plan):

@@ -55,7 +55,7 @@ def draft_vocab_arg(value: str):
 
 def build_parser():
     p = OneLineErrors(description="Generate text from a converted checkpoint.")
-    p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
+    add_model_flags(p)
     p.add_argument("--prompt", help="text (default 'Hello, my name is'), or an integer for a synthetic prompt; with "
                    "--chat the user's message (default: read turns from stdin, one a line)")
     p.add_argument("--chat", action="store_true", help="chat: messages formatted by the checkpoint's own chat "
@@ -67,6 +67,14 @@ def build_parser():
     p.add_argument("--num_samples", type=int, default=1, help="samples run one after another")
     p.add_argument("--batch_size", type=int, default=1, help="the prompt is repeated in each batch row")
     p.add_argument("--seed", type=int, default=1234, help="sampling and synthetic prompts")
+    p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming (with "
+                   "the load's time and phases)")
+    return p
+
+
+def add_model_flags(p):
+    """The flags that say which model runs and how (serve.py takes them too)."""
+    p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode and verify steps (model.py's "
                    "forward around the backend's kernels; a cold compile takes tens of seconds, a cached one a few)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
@@ -74,8 +82,6 @@ def build_parser():
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
     p.add_argument("--backend", default="auto", help="auto (default): on CPU the few_rows.cpp kernels serve the "
                    "model where they prove to compute what model.py computes; torch: model.py's PyTorch alone")
-    p.add_argument("--json", action="store_true", help="one JSON object per generated sequence, no streaming (with "
-                   "the load's time and phases)")
     p.add_argument("--verbose", action="store_true", help="say what loading took, phase by phase, and what the "
                    "backend serves")
     p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
@@ -95,14 +101,10 @@ def build_parser():
                    "accepted, never the output")
     p.add_argument("--nproc_per_node", type=int, default=1, help="tensor parallelism: this many ranks on this host "
                    "(as torchrun starts them; gloo on CPU, NCCL with one GPU each)")
-    return p
 
 
 def check_options(opts):
-    if opts.dtype not in DTYPES:
-        raise InputError(f"--dtype {opts.dtype}: unknown; use bf16, fp32 or fp16")
-    if opts.backend not in BACKENDS:
-        raise InputError(f"--backend {opts.backend}: unknown; use {' or '.join(BACKENDS)}")
+    check_model_options(opts)
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(opts, name) < 1:
             raise InputError(f"--{name} must be at least 1")
@@ -112,6 +114,18 @@ def check_options(opts):
         raise InputError("--top_k must be at least 1")
     if opts.top_p is not None and not 0 < opts.top_p <= 1:
         raise InputError("--top_p must be in (0, 1]")
+    if opts.chat and (opts.batch_size > 1 or opts.num_samples > 1):
+        raise InputError("--chat holds one conversation: drop --batch_size and --num_samples")
+    if not 0 <= opts.seed < 2**64:
+        raise InputError(f"--seed {opts.seed}: must be between 0 and 2**64 - 1")
+
+
+def check_model_options(opts):
+    """add_model_flags' flags (serve.py checks its own with this too)."""
+    if opts.dtype not in DTYPES:
+        raise InputError(f"--dtype {opts.dtype}: unknown; use bf16, fp32 or fp16")
+    if opts.backend not in BACKENDS:
+        raise InputError(f"--backend {opts.backend}: unknown; use {' or '.join(BACKENDS)}")
     if opts.draft == "model" and not opts.draft_checkpoint:
         raise InputError("--draft model needs --draft_checkpoint PATH")
     if opts.draft == "ngram" and opts.draft_checkpoint:
@@ -124,10 +138,6 @@ def check_options(opts):
         raise InputError("--draft_vocab applies to a draft model; give --draft_checkpoint PATH or drop it")
     if opts.nproc_per_node < 1:
         raise InputError(f"--nproc_per_node {opts.nproc_per_node}: must be at least 1")
-    if opts.chat and (opts.batch_size > 1 or opts.num_samples > 1):
-        raise InputError("--chat holds one conversation: drop --batch_size and --num_samples")
-    if not 0 <= opts.seed < 2**64:
-        raise InputError(f"--seed {opts.seed}: must be between 0 and 2**64 - 1")
     check_device(opts.device)
     if torch.device(opts.device).type == "cuda" and opts.nproc_per_node > torch.cuda.device_count():
         raise InputError(f"--nproc_per_node {opts.nproc_per_node}: this host has {torch.cuda.device_count()} GPUs; "

@@ -16,6 +16,7 @@ their reference, the plain PyTorch of the functions of those names below; a back
 per device (cpu/, gpu.py), each held to its reference by the tests and by a spot check when it loads. Every reduction of a step lives inside an op or a product, so the glue between them (what
 torch.compile fuses) computes a row of a verify as it computes the row of a decode.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -117,6 +118,12 @@ class KVCache(nn.Module):
         self.k_cache[rows, :, slots] = k
         self.v_cache[rows, :, slots] = v
         return self.k_cache, self.v_cache
+
+    def rows(self, first: int, count: int = 1) -> "KVCache":
+        """Rows first..first + count - 1 of this cache, sharing its memory: what a step writes there, it writes here."""
+        view = KVCache(0, 0, 0, 0, self.k_cache.dtype, self.k_cache.device)
+        view.k_cache, view.v_cache = self.k_cache[first:first + count], self.v_cache[first:first + count]
+        return view
 
 
 def rope_frequencies(args: ModelArgs, device, local: bool = False) -> torch.Tensor:
@@ -319,6 +326,19 @@ class Transformer(nn.Module):
                     attn.kv_cache.v_cache[:, :, :self.max_seq_len] = old.v_cache
             self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
             self.setup_rope(max_seq_len, device)
+
+    @contextlib.contextmanager
+    def cache_rows(self, first: int, count: int = 1):
+        """Steps inside run on rows first..first + count - 1 of the batch's cache alone (a server prefills a joining
+        request's row while the other rows keep what they hold)."""
+        whole = [layer.attention.kv_cache for layer in self.layers]
+        try:
+            for layer, cache in zip(self.layers, whole):
+                layer.attention.kv_cache = cache.rows(first, count)
+            yield
+        finally:
+            for layer, cache in zip(self.layers, whole):
+                layer.attention.kv_cache = cache
 
     def setup_rope(self, n_positions: int, device):
         """The rotary tables of positions 0..n_positions-1 (a sliding layer's too, where the model has them)."""

@@ -2,6 +2,7 @@
 parallelism, dtype and device, then the backend of that device (cpu/ or gpu.py), whose report says what it serves
 (backend.report). What generate.py, the scripts and the tests load models with.
 """
+import argparse
 import dataclasses
 import hashlib
 import os
@@ -17,7 +18,7 @@ import gpu
 import quantize
 import ranks
 import tp
-from checkpoint import (InputError, map_safetensors, no_random_init, open_checkpoint, release_file_pages,
+from checkpoint import (Checkpoint, InputError, map_safetensors, no_random_init, open_checkpoint, release_file_pages,
                         write_atomically)
 from model import Transformer
 from speculative import ModelDrafter, NgramDrafter, ranked_vocabulary
@@ -289,3 +290,95 @@ def make_drafter(kind, checkpoint=None, device="cpu", dtype=torch.bfloat16, back
         form += f", proposing among {len(vocabulary)} of {draft.args.vocab_size} tokens"
     return ModelDrafter(draft, compile=compile, form=form,
                         vocabulary=None if vocabulary is None else vocabulary.to(draft.tok_embeddings.weight.device))
+
+
+# ---------------------------------------------------------------- the model flags (generate.py's and serve.py's)
+
+def speculate_k_arg(value: str):
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a positive integer or 'auto'")
+    return int(value)
+
+
+def draft_vocab_arg(value: str):
+    if value == "all":
+        return None
+    if not value.isdigit() or int(value) < 16 or int(value) % 16:
+        raise argparse.ArgumentTypeError(f"'{value}' is not 'all' or a multiple of 16, at least 16")
+    return int(value)
+
+
+def add_model_flags(p):
+    """The flags that say which model runs and how: generate.py's and serve.py's."""
+    p.add_argument("--checkpoint_path", required=True, help="checkpoint directory or its .safetensors file")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode and verify steps (model.py's "
+                   "forward around the backend's kernels; a cold compile takes tens of seconds, a cached one a few)")
+    p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
+    p.add_argument("--backend", default="auto", help="auto (default): on CPU the few_rows.cpp kernels serve the "
+                   "model where they prove to compute what model.py computes; torch: model.py's PyTorch alone")
+    p.add_argument("--verbose", action="store_true", help="say what loading took, phase by phase, and what the "
+                   "backend serves")
+    p.add_argument("--draft_checkpoint", help="speculative decoding with this draft model (same tokenizer)")
+    p.add_argument("--draft_quantize", default=None, help="the form a full-precision draft model runs in: auto "
+                   "(default: int4, written once beside it as quantize.py's model.int4.safetensors; with --backend "
+                   "torch, as it is), none (as it is) or a quantize.py mode. It changes which drafts are accepted, "
+                   "never the output")
+    p.add_argument("--draft", choices=["model", "ngram"], default=None,
+                   help="drafter: model (needs --draft_checkpoint) or ngram (prompt lookup, no model)")
+    p.add_argument("--speculate_k", type=speculate_k_arg, default=5,
+                   help="tokens drafted per speculative round, or 'auto': each round drafts while the draft is sure "
+                   "(its threshold learned from measured acceptance and costs)")
+    p.add_argument("--draft_vocab", type=draft_vocab_arg, default=DRAFT_VOCAB,
+                   help="all (default), or N: the draft model proposes among its N likeliest tokens (its LM head's "
+                   "rows; ranked once by their counts in the Python standard library's source): a cheaper draft "
+                   "step for code and English, fewer accepted drafts for other text. It changes which drafts are "
+                   "accepted, never the output")
+    p.add_argument("--nproc_per_node", type=int, default=1, help="tensor parallelism: this many ranks on this host "
+                   "(as torchrun starts them; gloo on CPU, NCCL with one GPU each)")
+
+
+def check_model_options(opts):
+    """add_model_flags' flags, before anything loads."""
+    if opts.dtype not in DTYPES:
+        raise InputError(f"--dtype {opts.dtype}: unknown; use bf16, fp32 or fp16")
+    if opts.backend not in BACKENDS:
+        raise InputError(f"--backend {opts.backend}: unknown; use {' or '.join(BACKENDS)}")
+    if opts.draft == "model" and not opts.draft_checkpoint:
+        raise InputError("--draft model needs --draft_checkpoint PATH")
+    if opts.draft == "ngram" and opts.draft_checkpoint:
+        raise InputError("--draft ngram uses no model; drop --draft_checkpoint (or use --draft model)")
+    if opts.draft_quantize is not None:
+        if not opts.draft_checkpoint:
+            raise InputError("--draft_quantize applies to a draft model; give --draft_checkpoint PATH or drop it")
+        draft_mode(opts.draft_quantize, opts.backend)
+    if opts.draft_vocab is not None and not opts.draft_checkpoint:
+        raise InputError("--draft_vocab applies to a draft model; give --draft_checkpoint PATH or drop it")
+    if opts.nproc_per_node < 1:
+        raise InputError(f"--nproc_per_node {opts.nproc_per_node}: must be at least 1")
+    check_device(opts.device)
+    if torch.device(opts.device).type == "cuda" and opts.nproc_per_node > torch.cuda.device_count():
+        raise InputError(f"--nproc_per_node {opts.nproc_per_node}: this host has {torch.cuda.device_count()} GPUs; "
+                         "launch at most one rank per GPU")
+
+
+def check_draft(opts, tokenizer, target: Checkpoint) -> Checkpoint | None:
+    """The draft checkpoint's files, tokenizer and vocabulary, before any model is loaded: the draft resolved and its
+    config read, once (make_drafter takes it), or None."""
+    if not opts.draft_checkpoint:
+        return None
+    try:
+        draft = open_checkpoint(opts.draft_checkpoint)
+    except InputError as e:
+        raise InputError(f"--draft_checkpoint {opts.draft_checkpoint}: {e}") from None
+    draft_tokenizer = Tokenizer(draft.directory, draft.config)
+    if not tokenizer.same_vocabulary(draft_tokenizer):
+        raise InputError(f"{draft_tokenizer.path}: the draft's tokenizer differs from the target's "
+                         f"({tokenizer.path}); speculation needs the same vocabulary")
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise InputError(f"{draft.directory / 'config.json'}: vocab_size {draft.args.vocab_size} differs from the "
+                         f"target's {target.args.vocab_size}; speculation needs the same vocabulary")
+    return draft

@@ -28,12 +28,11 @@ import uuid
 
 import torch
 
-import generate as cli_generate
 from backend import report
 from chat import Chat, ChatTemplate
 from checkpoint import InputError, OneLineErrors, open_checkpoint
 from decoding import Steps, most_drafts, spare_positions
-from loading import DTYPES, load_model, make_drafter
+from loading import DTYPES, add_model_flags, check_draft, check_model_options, load_model, make_drafter
 from speculative import DraftLength, ModelDrafter, speculative_decode
 from tokenizer import Tokenizer
 
@@ -488,7 +487,7 @@ def make_app(service: Service):
 def build_parser():
     p = OneLineErrors(description="Serve a converted checkpoint over an OpenAI-compatible HTTP API; concurrent "
                       "requests share the model's rows.")
-    cli_generate.add_model_flags(p)
+    add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--batch_size", type=int, default=4, help="requests served at once: the rows of the shared "
@@ -525,7 +524,7 @@ def warm_up(engine: Engine, tokenizer, steps_per_job: int):
 
 def main(argv=None):
     opts = build_parser().parse_args(argv)
-    cli_generate.check_model_options(opts)
+    check_model_options(opts)
     if opts.nproc_per_node > 1:
         raise InputError("--nproc_per_node: serve.py runs in one process for now (tensor parallelism is "
                          "generate.py's); drop it")
@@ -534,7 +533,7 @@ def main(argv=None):
     check_port(opts.host, opts.port)
     target = open_checkpoint(opts.checkpoint_path)
     tokenizer = Tokenizer(target.directory, target.config)
-    draft = cli_generate.check_draft(opts, tokenizer, target)
+    draft = check_draft(opts, tokenizer, target)
     try:
         chat = Chat(ChatTemplate(target.directory), tokenizer)
     except InputError:

@@ -252,3 +252,43 @@ def test_startup_errors_are_one_line(smollm2, tmp_path):
     result = subprocess.run([sys.executable, "serve.py", "--checkpoint_path", str(tmp_path / "nope")], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "nope" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_qwen_pair_served_with_its_draft_gives_the_target_s_own_text(tmp_path):
+    """The 1.5B drafted by the 0.5B (int4, K auto), two rows: a completion and a chat at once, streamed and not, each
+    the 1.5B's own plain greedy text alone."""
+    import fetch_models
+    from chat import Chat, ChatTemplate
+    target_dir, draft_dir = fetch_models.fetch("qwen2.5-coder-1.5b"), fetch_models.fetch("qwen2.5-coder-0.5b")
+    tokenizer = Tokenizer(target_dir)
+    prompt, message = humaneval_tasks(1)[0]["prompt"], "Write a Python function that reverses a string."
+    chat = Chat(ChatTemplate(target_dir), tokenizer)
+    chat_ids, _ = chat.ask(message)
+    model = load_model(target_dir, "cpu", torch.bfloat16)
+    rows, _ = generate(model, [tokenizer.encode(prompt)], 32, Steps(), eos_ids=tokenizer.eos_ids)
+    want_completion = tokenizer.decode_after(tokenizer.encode(prompt), [t for t in rows[0]
+                                                                        if t not in tokenizer.eos_ids])
+    rows, _ = generate(model, [chat_ids], 40, Steps(), eos_ids=chat.stop_ids)
+    want_reply = tokenizer.decode([t for t in rows[0] if t not in chat.stop_ids])
+    del model
+    server = Server(tmp_path, "--checkpoint_path", target_dir, "--draft_checkpoint", draft_dir, "--speculate_k",
+                    "auto", "--batch_size", 2)
+    try:
+        got = {}
+        name = target_dir.name
+
+        def complete():
+            answer = server.client.completions.create(model=name, prompt=prompt, max_tokens=32, temperature=0,
+                                                      stream=True)
+            got["completion"] = stream_text(answer)
+
+        thread = threading.Thread(target=complete)
+        thread.start()
+        reply = server.client.chat.completions.create(model=name, max_tokens=40, temperature=0,
+                                                      messages=[{"role": "user", "content": message}])
+        thread.join()
+        assert got["completion"] == want_completion
+        assert reply.choices[0].message.content == want_reply
+        assert "drafted by int4" in server.log.read_text()
+    finally:
+        assert server.stop() == 130

@@ -40,7 +40,7 @@ IDLE = 1  # the position a free row sits at: its steps write slots nobody reads 
 
 
 class Job:
-    """One request's row: its prompt, limits and sampling; the engine's thread fills in the rest and sends events
+    """One request's row: its prompt, limits and sampling; the engine fills in the rest and sends events
     (("text", delta) then ("done", finish_reason) or ("error", message)) to the event loop that waits for them."""
 
     def __init__(self, prompt, max_tokens, sampling, stop_ids, stops=(), seed=None, context=(), loop=None,
@@ -79,7 +79,7 @@ class Job:
 
 
 class Engine:
-    """The model's rows shared by requests: `submit` queues a Job, `run` (its own thread) admits waiting jobs into
+    """The model's rows shared by requests: `submit` queues a Job, `run` (the main thread) admits waiting jobs into
     free rows between rounds and runs rounds over the rows in use. A round runs over the first n rows of the cache
     (n: the smallest of 1, 2, 4, ... holding every row in use), so one request alone steps at batch 1. The rows of
     a round share one sampling setting: a request with another waits until the running ones end."""
@@ -109,11 +109,13 @@ class Engine:
             self.wake.notify()
 
     def run(self):
+        """Serve forever, in the main thread: torch's CPU thread pool is the main thread's (a step from another
+        thread ran 2-3x slower here), and Ctrl-C reaches it there."""
         with torch.inference_mode():
             while True:
                 with self.wake:
                     while not self.waiting and not any(self.rows):
-                        self.wake.wait()
+                        self.wake.wait(0.5)
                 self.step()
 
     def step(self):
@@ -552,17 +554,24 @@ def main(argv=None):
     with torch.inference_mode():
         warm_up(engine, tokenizer, 12 if drafter else 3)
     warm_s = time.perf_counter() - t
-    threading.Thread(target=engine.run, name="engine", daemon=True).start()
     name = opts.name or target.directory.name
     service = Service(engine, tokenizer, chat, name, speculate_k)
     import uvicorn
+    server = uvicorn.Server(uvicorn.Config(make_app(service), host=opts.host, port=opts.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=1))
+    http = threading.Thread(target=server.run, name="http", daemon=True)  # the HTTP side: its own event loop
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise InputError(f"--host {opts.host} --port {opts.port}: the server could not start there")
+        time.sleep(0.05)
     print(f"serving {name} on http://{opts.host}:{opts.port}/v1 ({opts.batch_size} rows of {cache_len} positions"
           + (f", drafted by {getattr(drafter, 'form', None) or 'n-grams'} at K {speculate_k}" if drafter else "")
           + f"; loaded in {load_s:.1f} s, warmed up in {warm_s:.1f} s)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(make_app(service), host=opts.host, port=opts.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=1))
-    server.run()
-    raise KeyboardInterrupt  # uvicorn returns after Ctrl-C (or a SIGTERM): the tools' one line, exit 130
+    try:
+        engine.run()  # until Ctrl-C: the tools' one line, exit 130
+    finally:
+        server.should_exit = True
 
 
 if __name__ == "__main__":

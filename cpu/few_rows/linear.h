@@ -207,17 +207,52 @@ std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Ten
 
 // ---------------------------------------------------------------- the product
 
-// Tokens a row up to which a DENSE weight's product runs the few-row kernel (a step: decode, a draft's catch-up, a
-// verify of at most backend.LONGEST_VERIFY, with room to spare); a prompt's rows take PyTorch's GEMM. Every other layout
-// computes every row by the same kernel, however many.
+// Tokens a row up to which a DENSE or BF16_TILES weight's product runs the few-row kernel (a step: decode, a draft's
+// catch-up, a verify of at most backend.LONGEST_VERIFY, with room to spare); a prompt's rows take PyTorch's GEMM. Every
+// other layout computes every row by the same kernel, however many.
 constexpr int64_t STEP_TOKENS = 33;
+
+// A prompt's rows [M, K] times bf16 tiles by PyTorch's GEMM (oneDNN's: AMX or AVX512_BF16 where the CPU has them, 2.6x
+// the tiles kernel at 118 rows of the 1.5B on a Xeon), the weight read back out of its tiles 512 columns at a time into
+// a buffer that stays in cache. bf16 rows with AVX512_BF16: the product in bf16 with the bias, as F.linear computes it
+// (-> [M, outputs] bf16); otherwise in float32 (-> [M, N] float32, the bias left to linear()).
+at::Tensor bf16_prompt(const at::Tensor& rows, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       int64_t outputs) {
+  constexpr int64_t CHUNK = 32;  // tiles a GEMM: 512 columns
+  const int64_t tiles = w.size(0), blocks = w.size(1), K = blocks * BLOCK, M = rows.size(0);
+  const bool in_bf16 = FR_AVX512BF16 && rows.scalar_type() == at::kBFloat16;
+  const int64_t N = in_bf16 ? outputs : tiles * TILE;
+  const at::Tensor x = in_bf16 ? rows : rows.to(at::kFloat);
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor buffer = at::empty({CHUNK * TILE, K}, w.options());
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.data_ptr());  // a pair of k, one column
+  uint32_t* columns = reinterpret_cast<uint32_t*>(buffer.data_ptr());
+  for (int64_t t0 = 0; t0 < tiles; t0 += CHUNK) {
+    const int64_t count = std::min(CHUNK, tiles - t0), n0 = t0 * TILE, n = std::min(count * TILE, N - n0);
+    if (n <= 0) break;
+    at::parallel_for(0, count * blocks, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {  // tile t0 + i / blocks, block i % blocks: a 16 x 16 transpose of pairs
+        const int64_t t = i / blocks, b = i % blocks;
+        const uint32_t* from = pairs + ((t0 + t) * blocks + b) * TILE * TILE;
+        for (int c = 0; c < TILE; c++)
+          for (int p = 0; p < TILE; p++) columns[(t * TILE + c) * (K / 2) + b * TILE + p] = from[p * TILE + c];
+      }
+    });
+    const at::Tensor weight = buffer.narrow(0, 0, n);
+    const at::Tensor part = in_bf16 ? (bias ? at::addmm(bias->narrow(0, n0, n).to(at::kBFloat16), x, weight.t())
+                                            : at::mm(x, weight.t()))
+                                    : at::mm(x, weight.to(at::kFloat).t());
+    y.narrow(1, n0, n).copy_(part);
+  }
+  return y;
+}
 
 // rows [M, K] (float32; the tiles take bf16 too) times a weight laid out by layout() -> [M, N] float32 (N: whole
 // tiles). `prompt`: the rows hold more than STEP_TOKENS tokens a batch row.
 at::Tensor product_rows(const at::Tensor& rows, int64_t lay, const at::Tensor& w, const std::optional<at::Tensor>& f,
                         const std::optional<at::Tensor>& table, bool prompt) {
   switch (lay) {
-    case BF16_TILES: return bf16_tiles(rows, w);
+    case BF16_TILES: return prompt ? bf16_prompt(rows, w, {}, w.size(0) * TILE) : bf16_tiles(rows, w);
     case INT8_TILES: return wide_tiles(rows, w, *f, {});
     case INT4_TILES: return int4_tiles(rows, w, *f);
     case INT4K_TILES: return int4k_tiles(rows, w, *f);
@@ -252,11 +287,14 @@ at::Tensor linear(const at::Tensor& x, int64_t lay, const at::Tensor& w, const s
   // (tiles take a bf16 model's rows as they are; rows and 6-bit codes as packed float32)
   const bool as_they_are = lay != DENSE && lay != FP6_TABLE;
   const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(as_they_are ? x.scalar_type() : at::kFloat).contiguous();
-  const at::Tensor y = product_rows(rows, lay, w, f, table, x.dim() >= 2 && x.size(-2) > STEP_TOKENS);
+  const bool prompt = x.dim() >= 2 && x.size(-2) > STEP_TOKENS;
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == outputs && bias->is_contiguous()),
               "few_rows: linear's bias must be float32 [outputs]");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = outputs;
+  if (prompt && lay == BF16_TILES && FR_AVX512BF16 && x.scalar_type() == at::kBFloat16)  // finished in bf16, bias and all
+    return bf16_prompt(rows, w, bias, outputs).view(shape);
+  const at::Tensor y = product_rows(rows, lay, w, f, table, prompt);
   at::Tensor out = at::empty(shape, x.options());
   const int64_t M = y.size(0), N = y.size(1);
   TORCH_CHECK(outputs <= N, "few_rows: linear's weight has ", N, " outputs, not ", outputs);

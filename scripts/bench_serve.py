@@ -6,6 +6,11 @@ failed or whose text is not its solo text.
 
     python serve.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct --compile --batch_size 8 &
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --clients 2,4,8 --requests 16 --max_tokens 64
+
+--baseline URL2 (another server of the same model, e.g. served plainly where --url speculates): before the levels,
+each request runs alone on URL2 and then on --url, in turns, so that a shared machine's drift reaches both alike;
+printed: each one's tok/s after the first token, the ratio request by request (median and range), and whether the
+texts are equal (greedy speculation is lossless).
 """
 import os
 import statistics
@@ -24,6 +29,8 @@ def parse(argv):
     p.add_argument("--clients", default="2,4,8", help="concurrent clients, comma-separated (1 is the solo pass)")
     p.add_argument("--requests", type=int, default=16, help="requests at each level (HumanEval's first prompts)")
     p.add_argument("--max_tokens", type=int, default=64, help="tokens a request asks for (greedy)")
+    p.add_argument("--baseline", help="another server of the same model: each request alone there and on --url, in "
+                   "turns, first (their speed ratio)")
     opts = p.parse_args(argv)
     try:
         opts.clients = [int(c) for c in opts.clients.split(",") if c]
@@ -75,6 +82,31 @@ def level(make_client, model, prompts, max_tokens, clients) -> tuple[list, float
     return results, time.perf_counter() - start
 
 
+def after_first(r) -> float | None:
+    """A request's tok/s after its first token."""
+    return (r["tokens"] - 1) / (r["took"] - r["first"]) if r["tokens"] > 1 and r["took"] > r["first"] else None
+
+
+def in_turns(make_client, url, baseline, model, prompts, max_tokens):
+    """Each prompt alone on the baseline server, then on `url`: their speeds side by side, and equal texts."""
+    here, there = make_client(url), make_client(baseline)
+    base_model = there.models.list().data[0].id
+    print(f"| request | {baseline} tok/s | {url} tok/s | ratio | same text |\n|---|---|---|---|---|")
+    ratios, same = [], 0
+    for i, prompt in enumerate(prompts):
+        b = one(there, base_model, prompt, max_tokens)
+        r = one(here, model, prompt, max_tokens)
+        speeds = after_first(b), after_first(r)
+        ratio = speeds[1] / speeds[0] if all(speeds) else None
+        ratios += [ratio] if ratio else []
+        same += b["text"] == r["text"]
+        print(f"| {i} | {speeds[0] or 0:.2f} | {speeds[1] or 0:.2f} | {ratio or 0:.2f} | {b['text'] == r['text']} |",
+              flush=True)
+    if ratios:
+        print(f"ratio {url} / {baseline}: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-"
+              f"{max(ratios):.2f}x over {len(ratios)} requests; {same} of {len(prompts)} texts equal\n", flush=True)
+
+
 def p90(values):
     return sorted(values)[max(0, -(-9 * len(values) // 10) - 1)]
 
@@ -83,15 +115,18 @@ def main(argv=None):
     opts = parse(argv)
     openai = cli.require("openai", "scripts/bench_serve.py")
 
-    def make_client():
-        return openai.OpenAI(base_url=opts.url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=3600)
-    try:
-        model = make_client().models.list().data[0].id
-    except openai.APIConnectionError:
-        raise cli.InputError(f"--url {opts.url}: no server answers there; start serve.py first") from None
+    def make_client(url=opts.url):
+        return openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    for flag, url in (("--baseline", opts.baseline), ("--url", opts.url)):
+        try:
+            model = make_client(url).models.list().data[0].id if url else None
+        except openai.APIConnectionError:
+            raise cli.InputError(f"{flag} {url}: no server answers there; start serve.py first") from None
     prompts = [t["prompt"] for t in cli.humaneval_tasks(opts.requests)]
     print(f"{model} at {opts.url}: {opts.requests} greedy requests of {opts.max_tokens} tokens a level",
           file=sys.stderr)
+    if opts.baseline:
+        in_turns(make_client, opts.url, opts.baseline, model, prompts, opts.max_tokens)
     print("| clients | aggregate tok/s | x 1 client | request tok/s (median) | first token median / p90 | lost |")
     print("|---|---|---|---|---|---|")
     solo, base = None, None
@@ -104,8 +139,7 @@ def main(argv=None):
         tokens = sum(r["tokens"] for r in done)
         aggregate = tokens / wall
         base = base or aggregate
-        speeds = [(r["tokens"] - 1) / (r["took"] - r["first"]) for r in done if r["tokens"] > 1 and r["took"] >
-                  r["first"]]
+        speeds = [s for s in map(after_first, done) if s]
         firsts = [r["first"] for r in done]
         print(f"| {clients} | {aggregate:.1f} | {aggregate / base:.2f} | "
               f"{statistics.median(speeds) if speeds else 0:.1f} | "

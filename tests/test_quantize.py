@@ -137,10 +137,12 @@ def test_compiled_speculation_is_exact_at_every_k(smollm2, quantized, prompts, m
     torch._dynamo.reset()
     target = load_model(smollm2[0] if mode == "bf16" else quantized[mode], "cpu", torch.bfloat16)
     steps = Steps(compile=True)
-    plain = generate(target, prompts, 40, steps)[0]
+    # a prompt's rows times plain weights take PyTorch's GEMM, whose sums may round otherwise at another row count:
+    # the batch's plain output is the batch's reference, the prompt's alone its own
+    plain = {1: generate(target, prompts[:1], 40, steps)[0], 2: generate(target, prompts, 40, steps)[0]}
     for k in (1, 2, 3, 4, 5, 6, 7, 8, 16):
         batch = prompts if k in (4, 16) else prompts[:1]
-        assert generate(target, batch, 40, steps, drafter=NgramDrafter(), speculate_k=k)[0] == plain[:len(batch)], k
+        assert generate(target, batch, 40, steps, drafter=NgramDrafter(), speculate_k=k)[0] == plain[len(batch)], k
     torch._dynamo.reset()
 
 

@@ -212,9 +212,8 @@ std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Ten
 // other layout computes every row by the same kernel, however many.
 constexpr int64_t STEP_TOKENS = 33;
 
-// A prompt's rows [M, K] times bf16 tiles by PyTorch's GEMM (oneDNN's: AMX or AVX512_BF16 where the CPU has them, 2.6x
-// the tiles kernel at 118 rows of the 1.5B on a Xeon), the weight read back out of its tiles 512 columns at a time into
-// a buffer that stays in cache. bf16 rows with AVX512_BF16: the product in bf16 with the bias, as F.linear computes it
+// A prompt's rows [M, K] times bf16 tiles by PyTorch's GEMM (oneDNN's: AMX or AVX512_BF16 where the CPU has them; what
+// it measured: docs/performance.md), the weight read back out of its tiles 512 columns at a time into a buffer. bf16 rows with AVX512_BF16: the product in bf16 with the bias, as F.linear computes it
 // (-> [M, outputs] bf16); otherwise in float32 (-> [M, N] float32, the bias left to linear()).
 at::Tensor bf16_prompt(const at::Tensor& rows, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        int64_t outputs) {

@@ -18,8 +18,8 @@ The pair (docs/performance.md):
         --rows compiled,quant-int8,spec-draft-4,spec-draft.int4-4,quant-mxfp6+spec-draft.int4-4,hf,hf-draft
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
 cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
---max_new_tokens tokens (EOS ignored), so a shared machine's drift reaches all rows alike and the ratios
-hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
+--max_new_tokens tokens (EOS ignored; --stop_at_eos: our rows stop at the checkpoint's EOS, as generate.py and
+serve.py do), so a shared machine's drift reaches all rows alike and the ratios hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
 token x tok/s as % of the memory bandwidth this script measures itself (the most its probe read, before the rows and
 after each prompt), the ratio of medians to the first row, and the range of the ratios turn by turn (how far the
 rows drift apart within the run).
@@ -95,7 +95,7 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
+def ours(model, prompts, new_tokens, compiled, drafter=None, k=4, eos_ids=()):
     """Warm up (compiled: the compile) and return (seconds it took, run); run(i) generates for prompt i and
     returns (decode tok/s: emitted tokens after the first over the time after prefill, tokens, stats)."""
     steps = Steps(compile=compiled, device=model.tok_embeddings.weight.device)
@@ -107,7 +107,7 @@ def ours(model, prompts, new_tokens, compiled, drafter=None, k=4):
     warmup_s = time.perf_counter() - t
 
     def run(i):
-        rows, stats = generate(model, [prompts[i]], new_tokens, steps, **spec)
+        rows, stats = generate(model, [prompts[i]], new_tokens, steps, eos_ids=eos_ids, **spec)
         return (len(rows[0]) - 1) / (stats["total_s"] - stats["prefill_s"]), rows[0], stats
     return warmup_s, run
 
@@ -195,6 +195,8 @@ def check_rows(rows, opts):
             raise InputError(f"--{name} {getattr(opts, name)}: must be at least 1")
     if not opts.random_weights and opts.num_prompts > 164:
         raise InputError(f"--num_prompts {opts.num_prompts}: HumanEval has 164 prompts")
+    if opts.stop_at_eos and opts.random_weights:
+        raise InputError("--stop_at_eos: random weights have no EOS; drop it with --random_weights")
     if opts.gguf and not Path(opts.gguf).is_file():
         raise InputError(f"--gguf {opts.gguf}: not found")
     check_device(opts.device)
@@ -204,6 +206,8 @@ def check_rows(rows, opts):
     for row in rows:
         if row == "hf-draft" and not opts.draft_checkpoint:
             raise InputError("--rows hf-draft: needs --draft_checkpoint PATH")
+        if opts.stop_at_eos and row in ("hf", "hf-draft", "llama.cpp"):
+            raise InputError(f"--rows {row}: generates exactly --max_new_tokens; drop it with --stop_at_eos")
         if opts.random_weights and row in ("hf", "hf-draft", "llama.cpp"):
             raise InputError(f"--rows {row}: needs real weights; drop it with --random_weights")
         if opts.device != "cpu" and row == "llama.cpp":
@@ -368,12 +372,12 @@ def set_up(rows, opts, model, prompts, step_bytes):
             row_bytes = backend.report(target).step_bytes
             spec = row_drafter(drafter, opts, model.args.vocab_size, compiled)
             draft_bytes = backend.report(spec.model).step_bytes if isinstance(spec, ModelDrafter) else 0
-            warm, run = ours(target, prompts, opts.max_new_tokens, compiled, spec, k)
+            warm, run = ours(target, prompts, opts.max_new_tokens, compiled, spec, k, opts.eos_ids)
             target_row = mode
         elif row.startswith("quant-"):
             quantized = load_row_model(opts, mode)
             row_bytes = backend.report(quantized).step_bytes
-            warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True)
+            warm, run = ours(quantized, prompts, opts.max_new_tokens, compiled=True, eos_ids=opts.eos_ids)
             plain_rows.setdefault(mode, len(setups))
         elif row == "llama.cpp":
             texts = [task["prompt"] for task in humaneval_tasks(opts.num_prompts)]
@@ -381,7 +385,7 @@ def set_up(rows, opts, model, prompts, step_bytes):
             row_bytes = Path(opts.gguf).stat().st_size
         elif row in ("compiled", "eager"):
             compiled = row == "compiled"
-            warm, run = ours(model, prompts, opts.max_new_tokens, compiled=compiled)
+            warm, run = ours(model, prompts, opts.max_new_tokens, compiled=compiled, eos_ids=opts.eos_ids)
         elif row in ("hf", "hf-draft"):
             assistant = None if row == "hf" else to_hf_model(load_model(opts.draft_checkpoint, opts.device,
                                                                         DTYPES[opts.dtype], backend="torch"))
@@ -494,12 +498,14 @@ def bench(opts):
         atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     torch.manual_seed(0)
     model = load_row_model(opts)
+    opts.eos_ids = ()
     if opts.random_weights:  # random prompts as long as HumanEval's first ones
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, model.args.vocab_size, ((125, 118, 81, 133, 194)[i % 5],), generator=g).tolist()
                    for i in range(opts.num_prompts)]
     else:
         tokenizer = Tokenizer(resolve_checkpoint(opts.checkpoint_path)[0])
+        opts.eos_ids = tokenizer.eos_ids if opts.stop_at_eos else ()
         prompts = [tokenizer.encode(task["prompt"]) for task in humaneval_tasks(opts.num_prompts)]
     # A shared VM's bandwidth swings within minutes: it is read before the rows and after every prompt, and the
     # roofline is the most it read.
@@ -547,6 +553,9 @@ def main(argv=None):
                         "file) and K an int or auto (default --speculate_k)")
     p.add_argument("--speculate_k", default="4")
     p.add_argument("--gguf", help="GGUF file for the optional llama.cpp row (needs llama-cpp-python)")
+    p.add_argument("--stop_at_eos", action="store_true",
+                   help="our rows stop at the checkpoint's EOS, as generate.py and serve.py do (decode tok/s: the "
+                        "tokens each emitted); without it every row generates exactly --max_new_tokens")
     p.add_argument("--eager_spec", action="store_true", help="run speculative rows (and their baseline) eagerly")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "aten"),
                    help="auto: the device's backend (as generate.py); torch: model.py alone; aten: CUDA's aten kernels")

@@ -88,7 +88,8 @@ class Engine:
         self.model, self.steps, self.tokenizer, self.drafter = model, steps, tokenizer, drafter
         self.cache_len, self.speculate_k = cache_len, speculate_k
         self.k_max = most_drafts(speculate_k, report(model).max_verify_tokens) if drafter else 0
-        self.length = DraftLength(self.k_max) if drafter and speculate_k == "auto" else None
+        self.learns_lengths = bool(drafter) and speculate_k == "auto"
+        self.lengths = {}  # batch size -> its DraftLength: a round's worth of drafts depends on its rows
         model.setup_caches(rows, cache_len)
         if isinstance(drafter, ModelDrafter):
             drafter.model.setup_caches(rows, cache_len)
@@ -200,19 +201,20 @@ class Engine:
         room = max(job.max_tokens - len(job.tokens) for job in jobs if job is not None)
         drafts = min(self.k_max, room - 1)  # a last round drafts only what its longest row can emit
         drafter = self.drafter
-        if self.length:
-            self.length.set_threshold(self.length.start(active, drafts))
+        length = self.lengths.setdefault(n, DraftLength(self.k_max)) if self.learns_lengths else None
+        if length:
+            length.set_threshold(length.start(active, drafts))
         model_drafter = isinstance(drafter, ModelDrafter)
         if model_drafter:
             drafter.cached_until = self.cached_until[:n].clone()
         with drafter.model.cache_rows(0, n) if model_drafter else contextlib.nullcontext():
             draft, accepted, next_token, timing, _ = speculative_decode(
                 self.model, drafter, self.histories[:n], pos, self.steps.verify, *self.sampling, drafts=drafts,
-                pad_to=1 if self.length else self.k_max, more=self.length.more if self.length else None)
+                pad_to=1 if length else self.k_max, more=length.more if length else None)
         if model_drafter:
             self.cached_until[:n] = drafter.cached_until
-        if self.length:
-            self.length.update(accepted.tolist(), active, *timing)
+        if length:
+            length.update(accepted.tolist(), active, *timing)
         return [d[:m] + [t] for d, m, t in zip(draft.tolist(), accepted.tolist(), next_token.tolist())]
 
     def end(self, b: int):
@@ -522,6 +524,7 @@ def warm_up(engine: Engine, tokenizer, steps_per_job: int):
                               logged=False))
         while engine.waiting or any(engine.rows):
             engine.step()
+    engine.lengths.clear()  # the warm-up's rounds timed its compiles: draft lengths are learned from real rounds
 
 
 def main(argv=None):

@@ -19,8 +19,8 @@ The pair (docs/performance.md):
 Every row is set up first, with a warm-up (for compiled rows the cold compile, timed with an empty inductor
 cache). Then the rows take turns: for each prompt and each of --runs runs, every row generates exactly
 --max_new_tokens tokens (EOS ignored; --stop_at_eos: our rows stop at the checkpoint's EOS, as generate.py and
-serve.py do), so a shared machine's drift reaches all rows alike and the ratios hold better than the absolute speed. Reported: decode tok/s (median; prefill excluded), bytes of weights read per
-token x tok/s as % of the memory bandwidth this script measures itself (the most its probe read, before the rows and
+serve.py do), so a shared machine's drift reaches all rows alike and the ratios hold better than the absolute speed.
+Reported: decode tok/s (median; prefill excluded), bytes of weights read per token x tok/s as % of the memory bandwidth this script measures itself (the most its probe read, before the rows and
 after each prompt), the ratio of medians to the first row, and the range of the ratios turn by turn (how far the
 rows drift apart within the run).
 

@@ -312,6 +312,7 @@ class DraftLength:
     most k_max drafts a round. (The rounds: speculative_decode; the verify then covers only what was drafted.)"""
 
     EDGES = (0.0, 0.2, 0.4, 0.55, 0.7, 0.8, 0.88, 0.94, 0.97, 0.99, 0.998, 1.0)  # bins of the draft's probability
+    FORGET = 64  # rounds after which a verify length not seen again leaves the cost line
 
     def __init__(self, k_max=LONGEST_VERIFY - 1, decay=0.98, first=4):
         self.k_max, self.decay, self.first = k_max, decay, first
@@ -323,6 +324,7 @@ class DraftLength:
         self.after_accepted = list(self.accepted)
         self.step = Seconds()  # a draft step
         self.verify = {}  # drafts -> Seconds of a verify of that many
+        self.rounds, self.last_seen = 0, {}  # rounds updated; drafts -> the round its verify was last timed
         self.emitted = [0.0, 0.0]  # decayed sums: tokens emitted, seconds (as counted)
         self.threshold, self.chains, self.sure = None, None, []
 
@@ -348,8 +350,10 @@ class DraftLength:
     def per_draft(self) -> float:
         """What a verify costs a draft more: the slope of a line through the verifies' times by drafts (each length
         weighing as often as it was seen, up to 8), at least 1% of a verify; 10% of one while a single length was
-        seen."""
-        points = [(n, t.value, min(t.count, 8)) for n, t in self.verify.items()]
+        seen. Only lengths verified in the last FORGET rounds count: one timed once, in a compile or on a busy host,
+        and never drafted since would otherwise hold the slope where it put it."""
+        recent = [n for n, last in self.last_seen.items() if self.rounds - last < self.FORGET]
+        points = [(n, self.verify[n].value, min(self.verify[n].count, 8)) for n in recent]
         w = sum(c for _, _, c in points)
         mean_n, mean_t = (sum(n * c for n, _, c in points) / w, sum(t * c for _, t, c in points) / w)
         spread = sum(c * (n - mean_n) ** 2 for n, _, c in points)
@@ -400,6 +404,8 @@ class DraftLength:
                     self.after_judged[a] = d * self.after_judged[a] + 1
                     self.after_accepted[a] = d * self.after_accepted[a] + (i < n)
         seconds = self.step.add(draft_s / drafts) * drafts + self.verify.setdefault(drafts, Seconds()).add(verify_s)
+        self.rounds += 1
+        self.last_seen[drafts] = self.rounds
         emitted = sum(min(n, drafts) + 1 for n, running in zip(n_accepted, active) if running)
         self.emitted = [d * self.emitted[0] + emitted, d * self.emitted[1] + seconds]
 

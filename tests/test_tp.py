@@ -80,8 +80,8 @@ def tiny_prompts(seed=0):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 12)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", ["llama_tp", "codegen_tp"])
+@pytest.mark.parametrize("name, world", [("llama_tp", 2), ("llama_tp", 3), ("codegen_tp", 2), ("codegen_tp", 3),
+                                         ("qwen3_head_dim", 2)])  # Qwen3: heads wider than dim / heads, q/k norms
 def test_tiny_models_match_single_process(tiny, name, world, tmp_path):
     ckpt, _ = tiny(name)
     reference, results = check_launch(world, cases(weight_files(ckpt), tiny_prompts()), tmp_path)

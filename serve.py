@@ -224,10 +224,10 @@ class Engine:
         self.histories[b] = [0, 0]
         if job.cancelled:
             job.finish = "cancelled"
-        else:
-            job.send("done", job.finish)
-        if job.logged:
+        if job.logged:  # before "done": a client that has its answer finds its line in the log
             log(job)
+        if not job.cancelled:
+            job.send("done", job.finish)
 
     def fail(self, jobs, error):
         print(f"error: a round failed ({type(error).__name__}: {error}); its requests end with an error",

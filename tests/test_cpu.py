@@ -148,8 +148,9 @@ REAL_FORMATS = {"bf16": ("plain", torch.bfloat16, None), "float32": ("plain", to
                 **{mode: (mode, None, None) for mode in quantize.MODES if mode != "int4"}}
 
 
-def real_args(name, **changes) -> model.ModelArgs:
-    return model.ModelArgs(**dict(REAL_MODELS[name], vocab_size=64, n_layers=1, **changes))
+def real_args(name) -> model.ModelArgs:
+    """The model's shapes in one layer and a vocabulary of 64 (what the tests below read of it)."""
+    return model.ModelArgs(**dict(REAL_MODELS[name], vocab_size=64, n_layers=1))
 
 
 @pytest.mark.parametrize("fmt", REAL_FORMATS)

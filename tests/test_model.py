@@ -12,7 +12,8 @@ TOL = 1e-4  # fp32 max abs logit difference allowed against transformers
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "llama3_rope_scaling", "qwen2_qkv_bias", "qwen3_head_dim",
-                                  "mistral_sliding", "gemma3_sliding", "codegen_partial_rotary"])
+                                  "mistral_sliding", "gemma3_sliding", "gemma3_multimodal",
+                                  "codegen_partial_rotary"])
 def test_logits_match_transformers_prefill_and_16_decode_steps(tiny, name, references):
     ckpt, hf = tiny(name)
     model = load_model(ckpt, "cpu", torch.float32, backend="torch")

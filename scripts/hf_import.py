@@ -87,7 +87,7 @@ def hf_model_args(config: dict, source) -> dict:
         text = GEMMA3_TEXT_DEFAULTS | {k: v for k, v in text.items() if v is not None}
         if isinstance(config.get("tie_word_embeddings"), bool):  # the whole model's, where it says
             text["tie_word_embeddings"] = config["tie_word_embeddings"]
-        return gemma3_model_args(text, source)
+        return gemma3_model_args(text, f"{source} (text_config)")
     if kind == "codegen":
         dim = require(config, "n_embd", source)
         n_heads = require(config, "n_head", source)

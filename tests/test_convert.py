@@ -232,6 +232,7 @@ def test_a_multimodal_gemma3_converts_to_its_language_model(tmp_path):
     from transformers import Gemma3Config
 
     from chat import ChatTemplate
+    from cli import InputError
     from hf_import import hf_model_args
     sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
@@ -247,6 +248,10 @@ def test_a_multimodal_gemma3_converts_to_its_language_model(tmp_path):
         rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"], theirs.tie_word_embeddings,
         theirs.layer_types]
     assert args["rope_scaling"]["factor"] == rope["full_attention"]["factor"] == 8
+    with pytest.raises(InputError, match=r"config.json \(text_config\): field 'num_attention_heads' is 'four'"):
+        hf_model_args({"model_type": "gemma3", "text_config": sparse | {"num_attention_heads": "four"}}, "config.json")
+    with pytest.raises(InputError, match="model_type 'gemma3' needs a 'text_config' object"):
+        hf_model_args({"model_type": "gemma3"}, "config.json")
 
     src = tmp_path / "src"
     tiny_hf_model("gemma3_multimodal").save_pretrained(src)

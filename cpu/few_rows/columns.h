@@ -196,12 +196,19 @@ inline __m256 bf16_half(const uint16_t* p) {  // 8 bf16 as float32
 }
 #endif
 
+// The factors are a stream of their own beside the codes': prefetched as many blocks ahead as the codes are.
+constexpr int64_t FACTORS_AHEAD = PREFETCH_BYTES / Int4Tiles::BYTES;
+
 // int4's factors, as its file has them: bf16 [N / 16, K / group, 2, 16], per tile and group the 16 columns' scales,
 // then their zeros: w = (code - 8) * scale + zero, so offset = zero - 8 scale (fused).
 struct GroupFactors {
   const uint16_t* f;
   int64_t groups;
   const uint16_t* at(int64_t tile, int64_t g) const { return f + (tile * groups + g) * 2 * TILE; }
+  // Where block b's factors lie, for the prefetch (b past the tile's last block: the next tile's, which follows)
+  const void* of_block(int64_t tile, int64_t b, int64_t blocks) const {
+    return f + (tile * blocks + b) * groups / blocks * 2 * TILE;
+  }
   float scale(int64_t tile, int64_t g, int c) const { return bf16_value(at(tile, g)[c]); }
   float offset(int64_t tile, int64_t g, int c) const {
     return std::fma(-8.f, scale(tile, g, c), bf16_value(at(tile, g)[TILE + c]));
@@ -228,6 +235,8 @@ struct Int4kFactors {
   const uint8_t* f;
   int64_t supers;
   const uint8_t* at(int64_t tile, int64_t g) const { return f + (tile * supers + g / PER) * BYTES; }
+  // (40 bytes a block on average: a prefetch's address, exact where K is a multiple of 256)
+  const void* of_block(int64_t tile, int64_t b, int64_t) const { return f + (tile * supers * PER + b) * (BYTES / PER); }
   const uint8_t* codes(int64_t tile, int64_t g) const { return at(tile, g) + 64 + 32 * (g % PER); }
   float scale(int64_t tile, int64_t g, int c) const {
     uint16_t d;
@@ -301,6 +310,7 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const Factors& fs, 
     for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
       const int8_t* q = a.codes(b, m0);  // row r's 32 at q + 32 r
       const float* d = &a.d[b * M + m0];
+      __builtin_prefetch(fs.of_block(tile, b + FACTORS_AHEAD, blocks));
       __m512i dots[R][C];
       for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_si512();
@@ -337,6 +347,7 @@ __attribute__((noinline)) void tile_int4(const Int4Tiles& w, const Factors& fs, 
       const int8_t* q = a.codes(b, m0);
       const float* d = &a.d[b * M + m0];
       for (int t = 0; t < 4; t++) __builtin_prefetch(p + 64 * t + PREFETCH_BYTES);
+      __builtin_prefetch(fs.of_block(tile, b + FACTORS_AHEAD, blocks));
       for (int h = 0; h < 2; h++) {
         __m256i pairs[R];
         for (int r = 0; r < R; r++) pairs[r] = _mm256_setzero_si256();
@@ -396,6 +407,7 @@ __attribute__((noinline)) void tile_int4_amx(int R, const Int4Tiles& w, const Fa
   for (int64_t g = 0; g < G; g++) {
     const __m512 scale = fs.scales(tile, g);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; b++, p += Int4Tiles::BYTES) {
+      __builtin_prefetch(fs.of_block(tile, b + FACTORS_AHEAD, blocks));
       for (int t = 0; t < 4; t++) {
         __builtin_prefetch(p + 64 * t + PREFETCH_BYTES);
         const __m512i v = _mm512_loadu_si512(p + 64 * t);
@@ -530,12 +542,14 @@ struct BlockFactors {
   int64_t blocks;
   static constexpr bool PER_BLOCK = true;
   float at(int64_t tile, int64_t b, int c) const { return factors[(tile * blocks + b) * TILE + c]; }
+  const void* of_block(int64_t tile, int64_t b, int64_t) const { return factors + (tile * blocks + b) * TILE; }
 };
 struct E8M0Factors {
   const uint8_t* scales;  // [N / 16, K / 32, 16]
   int64_t blocks;
   float inverse;  // 1 / the codes' multiple, a power of two
   static constexpr bool PER_BLOCK = true;
+  const void* of_block(int64_t tile, int64_t b, int64_t) const { return scales + (tile * blocks + b) * TILE; }
   float at(int64_t tile, int64_t b, int c) const {  // 2^(e - 127), 255: NaN
     const uint8_t e = scales[(tile * blocks + b) * TILE + c];
     return (e == 255 ? NAN : std::ldexp(1.f, e - 127)) * inverse;
@@ -621,6 +635,7 @@ __attribute__((noinline)) void tile_wide(const Codes& w, const Factors& f, const
       for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_si512();
       for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + l + PREFETCH_BYTES);
+      if constexpr (Factors::PER_BLOCK) __builtin_prefetch(f.of_block(tile, b + PREFETCH_BYTES / Codes::BYTES, blocks));
 #pragma GCC unroll 8
       for (int t = 0; t < 8; t++) {
         __m512i p0, p1;
@@ -652,6 +667,7 @@ __attribute__((noinline)) void tile_wide(const Codes& w, const Factors& f, const
       const int16_t* q = a.codes(b, m0);
       const float* d = &a.d[b * M + m0];
       for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(p + l + PREFETCH_BYTES);
+      if constexpr (Factors::PER_BLOCK) __builtin_prefetch(f.of_block(tile, b + PREFETCH_BYTES / Codes::BYTES, blocks));
       for (int h = 0; h < 2; h++) {
         __m256i dots[R];
         for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
@@ -714,6 +730,7 @@ __attribute__((noinline)) void tile_wide_amx(int R, const Codes& w, const Factor
   auto p = w.block(tile, 0);
   for (int64_t b = 0; b < blocks; b++, p += Codes::BYTES) {
     for (int l = 0; l < Codes::BYTES; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + l + PREFETCH_BYTES);
+    if constexpr (Factors::PER_BLOCK) __builtin_prefetch(f.of_block(tile, b + PREFETCH_BYTES / Codes::BYTES, blocks));
     for (int t = 0; t < 8; t++) {
       __m512i p0, p1;
       unpack(w, p, t, p0, p1);

@@ -103,7 +103,8 @@ inline void round_block(const float* x, Q* q, float& d, int32_t& sum) {
 // length whose sums the rows need (int4's offsets); 0: none.
 template <class Q>
 Rounded<Q> round_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t shift) {
-  const int64_t blocks = K / BLOCK, per_group = shift ? (int64_t(1) << shift) / BLOCK : 0;
+  const int64_t blocks = K / BLOCK;
+  const int blocks_shift = shift ? int(shift) - 5 : 0;  // log2 of a group's blocks (a division here cost ~15 cycles a block)
   Rounded<Q> r{M, std::vector<Q>(M * K), std::vector<float>(M * blocks),
                std::vector<float>(shift ? M * (K >> shift) : 0)};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -117,7 +118,7 @@ Rounded<Q> round_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t shift) 
         for (int j = 0; j < BLOCK; j++) block[j] = bf16_value(halves[m * K + b * BLOCK + j]);
       round_block(bf16 ? block : floats + m * K + b * BLOCK, r.q.data() + (b * M + m) * BLOCK, r.d[b * M + m], sum);
       if (shift) {
-        float& group_sum = r.group_sums[b / per_group * M + m];  // blocks of a group in order
+        float& group_sum = r.group_sums[(b >> blocks_shift) * M + m];  // blocks of a group in order
         group_sum = std::fma(r.d[b * M + m], float(sum), group_sum);
       }
     }
@@ -204,10 +205,11 @@ constexpr int64_t FACTORS_AHEAD = PREFETCH_BYTES / Int4Tiles::BYTES;
 struct GroupFactors {
   const uint16_t* f;
   int64_t groups;
+  int blocks_shift;  // log2 of a group's blocks: a shift where a division a block held the divider ~15 cycles
   const uint16_t* at(int64_t tile, int64_t g) const { return f + (tile * groups + g) * 2 * TILE; }
   // Where block b's factors lie, for the prefetch (b past the tile's last block: the next tile's, which follows)
   const void* of_block(int64_t tile, int64_t b, int64_t blocks) const {
-    return f + (tile * blocks + b) * groups / blocks * 2 * TILE;
+    return f + ((tile * blocks + b) >> blocks_shift) * 2 * TILE;
   }
   float scale(int64_t tile, int64_t g, int c) const { return bf16_value(at(tile, g)[c]); }
   float offset(int64_t tile, int64_t g, int c) const {
@@ -464,7 +466,8 @@ at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               "few_rows: int4 tiles need bf16 factors [N / 16, K / group, 2, 16]");
   const int64_t shift = block_shift(w.size(1) * BLOCK, factors.size(1), "int4 groups");
   TORCH_CHECK(shift >= 5, "few_rows: int4 groups must hold at least 32 elements");
-  return int4_product(x, w, GroupFactors{reinterpret_cast<const uint16_t*>(factors.data_ptr()), factors.size(1)}, shift);
+  const GroupFactors fs{reinterpret_cast<const uint16_t*>(factors.data_ptr()), factors.size(1), int(shift) - 5};
+  return int4_product(x, w, fs, shift);
 }
 
 // int4k: factors [N / 16, ceil(K / 256), 320] bytes (Int4kFactors), a group a block.

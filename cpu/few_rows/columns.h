@@ -110,18 +110,23 @@ Rounded<Q> round_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t shift) 
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* floats = bf16 ? nullptr : x.data_ptr<float>();
   const uint16_t* halves = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
-  float block[BLOCK];
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < blocks; b++) {
-      int32_t sum;
-      if (bf16)
-        for (int j = 0; j < BLOCK; j++) block[j] = bf16_value(halves[m * K + b * BLOCK + j]);
-      round_block(bf16 ? block : floats + m * K + b * BLOCK, r.q.data() + (b * M + m) * BLOCK, r.d[b * M + m], sum);
-      if (shift) {
-        float& group_sum = r.group_sums[(b >> blocks_shift) * M + m];  // blocks of a group in order
-        group_sum = std::fma(r.d[b * M + m], float(sum), group_sum);
+  // Over every core from 300 rows x blocks (a verify's 8 rows of 1536 inputs: 384, ~4 us on one core; a decode's widest
+  // row, 8960 inputs: 280, left on one), a group's blocks on one thread, in order; threads write apart, block-major.
+  const int64_t units = blocks >> blocks_shift;
+  at::parallel_for(0, units, std::max<int64_t>(1, 300 / (M << blocks_shift)), [&](int64_t begin, int64_t end) {
+    float block[BLOCK];
+    for (int64_t b = begin << blocks_shift; b < end << blocks_shift; b++)
+      for (int64_t m = 0; m < M; m++) {
+        int32_t sum;
+        if (bf16)
+          for (int j = 0; j < BLOCK; j++) block[j] = bf16_value(halves[m * K + b * BLOCK + j]);
+        round_block(bf16 ? block : floats + m * K + b * BLOCK, r.q.data() + (b * M + m) * BLOCK, r.d[b * M + m], sum);
+        if (shift) {
+          float& group_sum = r.group_sums[(b >> blocks_shift) * M + m];  // blocks of a group in order
+          group_sum = std::fma(r.d[b * M + m], float(sum), group_sum);
+        }
       }
-    }
+  });
   return r;
 }
 

